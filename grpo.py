@@ -1,0 +1,646 @@
+"""GRPO: the baseline that AC2, RPO and CCR are measured against (spec/grpo.md).
+
+Each step samples a group of G complete responses for each of B problems, scores every response with a
+verifier or an LLM judge, and gives every new token of response i the advantage A_i = R_i - mean_j R_j
+(optionally / std_j R_j). The policy takes a dual-clip PPO step per minibatch on those tokens; old
+log-probabilities are recomputed by the trainer. In the AC2 paper's terms (Section 2) this is the lambda = 1
+estimator with a Monte-Carlo baseline at the root: every trajectory must be rolled out to its end.
+
+    python grpo.py --tiny                                        # built-in task on a CPU, a few minutes
+    python grpo.py --model Qwen/Qwen3-4B-Thinking-2507 \\
+        --judge-base-url https://api.deepseek.com/v1             # the AC2 paper's GRPO baseline
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from torch.utils.checkpoint import checkpoint
+from torch.utils.tensorboard import SummaryWriter
+
+from common import engine
+from common.data import load_rows
+from common.judges import AnswerVerifier, Judge, JudgeConfig, extract_final_answer, extract_proof
+from common.tiny import tiny_model_path, tiny_reward
+
+AC2_PROMPT = (  # AC2 paper, Appendix C (spec/ac2.md "Actor prompt")
+    "Consider the following mathematical problem:\n{problem}\n\nSolve the problem. Write a complete "
+    "solution/proof.\n\n- Enclose any brief thinking in <think></think> tags, then finish your thinking with "
+    "</think>.\n\nThen write your final solution/proof inside <proof></proof> tags:\n<proof>\n...your "
+    "solution/proof...\n</proof>\n"
+)
+
+
+@dataclasses.dataclass
+class Args:
+    """GRPO. Defaults reproduce the AC2 paper's GRPO baseline (Appendix C); `--tiny` runs the built-in task."""
+
+    # --- experiment ---
+    tiny: bool = False
+    """use the built-in tiny task and model with the scaled-down defaults of `tiny_args()` (other flags still apply)"""
+    exp_name: str = "grpo"
+    """the name of this experiment (prefix of the run name)"""
+    run_name: str | None = None
+    """TensorBoard run folder under runs/ (default: <exp_name>__<seed>__<time>, or the resumed run's name)"""
+    seed: int = 1
+    """seed of the data order, of every sampling request and of torch"""
+    num_steps: int = 200
+    """number of training steps"""
+    track: bool = False
+    """also log to Weights & Biases"""
+    wandb_project: str = "partial-rollouts"
+    """the W&B project"""
+    save_every: int = 10
+    """write a checkpoint every this many steps (0: never; the last step is always saved when > 0)"""
+    keep_checkpoints: int = 2
+    """how many of the most recent checkpoints to keep"""
+    checkpoint_dir: str = "checkpoints"
+    """checkpoints go to <checkpoint_dir>/<run_name>/step_<N>"""
+    resume: str | None = None
+    """continue from a checkpoint folder (a step_<N> folder, or a run folder: its latest step)"""
+
+    # --- model and data ---
+    model: str = "Qwen/Qwen3-4B-Thinking-2507"
+    """policy: a hub id, a local folder, or `tiny`"""
+    dataset: str = "lm-provers/FineProofs-RL"
+    """training problems: a hub id, a .json/.jsonl file, a save_to_disk folder, or `tiny`"""
+    dataset_split: str = "train"
+    """split of the training dataset"""
+    problem_field: str = "problem"
+    """field holding the problem statement"""
+    answer_field: str = "answer"
+    """field holding the gold final answer (used by --reward verifier)"""
+    train_limit: int | None = None
+    """use only the first N training problems"""
+    eval_dataset: str = "lm-provers/IMOProofBench"
+    """held-out problems (same formats as --dataset)"""
+    eval_split: str = "train"
+    """split of the evaluation dataset"""
+    eval_answer_field: str = "answer"
+    """gold answer field of the evaluation set (--reward verifier)"""
+    eval_solution_field: str = "solution"
+    """reference solution field given to the judge at evaluation only (--reward judge)"""
+    eval_guidelines_field: str = "grading_guidelines"
+    """grading guidelines field given to the judge at evaluation only (--reward judge)"""
+    eval_limit: int | None = None
+    """use only the first N evaluation problems"""
+    prompt_template: str = AC2_PROMPT
+    """user message; `{problem}` is replaced by the problem (default: the AC2 paper's actor prompt)"""
+    reward: Literal["judge", "verifier"] = "judge"
+    """judge: an LLM grades the <proof> 0-7, reward points/7; verifier: math-verify on the last \\boxed{} answer"""
+
+    # --- judge (an OpenAI-compatible endpoint; the paper used DeepSeek-V4-Flash) ---
+    judge_base_url: str = "https://api.deepseek.com/v1"
+    """base URL of the judge's OpenAI-compatible API"""
+    judge_model: str = "deepseek-v4-flash"
+    """judge model name"""
+    judge_api_key_env: str = "JUDGE_API_KEY"
+    """environment variable holding the judge's API key (never logged)"""
+    judge_max_concurrency: int = 64
+    """judge requests in flight at once"""
+    judge_timeout_s: float = 600.0
+    """per-request timeout of the judge, seconds"""
+    judge_max_retries: int = 4
+    """retries of a failed judge request (timeouts, 5xx, 408, 429; never other 4xx)"""
+    judge_temperature: float = 1.0
+    """judge sampling temperature"""
+    judge_max_tokens: int = 40_000
+    """judge max_tokens"""
+
+    # --- rollouts ---
+    problems_per_step: int = 256
+    """problems per step (B)"""
+    group_size: int = 16
+    """responses per problem (G)"""
+    max_response_tokens: int = 50_000
+    """response limit in new tokens (CCR's baseline used 32,768, RPO's 4,096)"""
+    temperature: float = 0.8
+    """sampling temperature (old log-probabilities use logits / temperature too)"""
+    top_p: float = 1.0
+    """sampling top-p"""
+    top_k: int = -1
+    """sampling top-k (-1: off)"""
+
+    # --- optimisation ---
+    learning_rate: float = 2e-6
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 0.3
+    """gradient clipping norm"""
+    num_minibatches: int = 2
+    """PPO minibatches per step (one epoch, no shuffle)"""
+    std_normalize: bool = False
+    """divide advantages by the group's reward std (standard GRPO; RPO's setting)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """token mean over the minibatch, or per-sequence token mean then mean over sequences (original GRPO)"""
+    clip_low: float = 0.2
+    """PPO epsilon_low"""
+    clip_high: float = 0.28
+    """PPO epsilon_high base (clip-higher); the entropy offset k is added to it"""
+    dual_clip: float = 3.0
+    """dual-clip constant c: for A < 0 the loss is capped at -A*c (0: off)"""
+    entropy_control: bool = True
+    """adapt epsilon_high = clip_high + k to the policy entropy (AC2 paper, Eq. 9)"""
+    entropy_target: float = 0.28
+    """H*: target mean token entropy (nats, at the sampling temperature)"""
+    entropy_step: float = 0.02
+    """delta_H: step of k per training step"""
+    entropy_k_init: float = 0.06
+    """k_0: initial offset"""
+    entropy_k_bound: float = 0.08
+    """k is clipped to [-bound, bound]"""
+    kl_coef: float = 0.0
+    """beta of a k3 KL penalty to the frozen initial policy (0: off, no reference model kept)"""
+
+    # --- efficiency ---
+    micro_batch_tokens: int = 65_536
+    """padded tokens per forward/backward (micro-batches accumulate into one minibatch step)"""
+    logprob_chunk_tokens: int = 1024
+    """positions per chunk of the LM head + log-softmax, so no [tokens x vocab] tensor is ever materialised"""
+    gradient_checkpointing: bool = True
+    """recompute decoder activations in the backward pass (GPU only)"""
+    gpu_memory_utilization: float = 0.4
+    """share of GPU memory vLLM may take (it sleeps while the trainer works)"""
+
+    # --- evaluation and logging ---
+    eval_every: int = 10
+    """evaluate every this many steps (and before training and after the last step; 0: never)"""
+    eval_samples: int = 16
+    """responses per evaluation problem"""
+    eval_temperature: float = 0.8
+    """evaluation temperature"""
+    eval_top_p: float = 0.95
+    """evaluation top-p"""
+    eval_top_k: int = 20
+    """evaluation top-k"""
+    eval_max_tokens: int = 50_000
+    """evaluation response limit"""
+    log_completions_every: int = 10
+    """log a few sample completions as text every this many steps"""
+
+
+def tiny_args() -> Args:
+    """The built-in task on a 2-core CPU: the paper's recipe scaled down (a few minutes per 100 steps).
+
+    Differences beyond scale: temperature 1 everywhere and no top-p/top-k at evaluation, because the tiny
+    model's mistakes are a learned noise rate that truncated sampling would hide -- evaluation measures the
+    policy itself.
+    """
+    return Args(
+        tiny=True, model="tiny", dataset="tiny", eval_dataset="tiny", eval_split="test",
+        prompt_template="{problem}", reward="verifier", num_steps=100, problems_per_step=32, group_size=8,
+        max_response_tokens=150, temperature=1.0, learning_rate=1e-4, max_grad_norm=1.0, save_every=0,
+        micro_batch_tokens=16_384, eval_every=10, eval_samples=4, eval_temperature=1.0, eval_top_p=1.0,
+        eval_top_k=-1, eval_max_tokens=150,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Small helpers
+# ----------------------------------------------------------------------------------------------------
+def request_seed(*keys: int) -> int:
+    """A sampling seed per (run seed, step, request): resumed runs sample exactly what straight runs did."""
+    return int(np.random.SeedSequence([abs(k) for k in keys]).generate_state(1)[0] >> 1)
+
+
+def problems_for_step(n_rows: int, per_step: int, step: int, seed: int) -> list[int]:
+    """Row indices of step `step` (1-based): consecutive slices of seeded per-epoch permutations."""
+    out, pos = [], (step - 1) * per_step
+    while len(out) < per_step:
+        epoch, offset = divmod(pos, n_rows)
+        perm = list(range(n_rows))
+        random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+        take = min(per_step - len(out), n_rows - offset)
+        out += perm[offset : offset + take]
+        pos += take
+    return out
+
+
+def encode_prompt(tokenizer, template: str, problem: str) -> list[int]:
+    """Chat-templated user turn + generation prompt (for thinking models it opens `<think>`)."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": template.format(problem=problem)}], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def score_responses(args: Args, texts, rows, *, verifier, judge, evaluation: bool = False):
+    """(rewards, valid flags, judge points or None) for each response text against its row."""
+    n = len(texts)
+    if args.dataset == "tiny" and (not evaluation or args.eval_dataset == "tiny"):
+        return [tiny_reward(t, r["answer"]) for t, r in zip(texts, rows)], [True] * n, [None] * n
+    if args.reward == "verifier":
+        field = args.eval_answer_field if evaluation else args.answer_field
+        golds = [str(r[field]) for r in rows]
+        return verifier.verify(golds, [extract_final_answer(t) for t in texts]), [True] * n, [None] * n
+    # judge: a response without a complete proof gets 0 without a call and stays valid (spec/ac2.md step 5)
+    proofs = [extract_proof(t) for t in texts]
+    todo = [i for i, p in enumerate(proofs) if p is not None]
+    results = judge.grade(
+        [rows[i][args.problem_field] for i in todo],
+        [proofs[i] for i in todo],
+        [rows[i].get(args.eval_solution_field) for i in todo] if evaluation else None,
+        [rows[i].get(args.eval_guidelines_field) for i in todo] if evaluation else None,
+    )
+    rewards, valid, points = [0.0] * n, [True] * n, [0] * n
+    for i, res in zip(todo, results):
+        rewards[i], valid[i], points[i] = res.reward, res.valid, res.points
+    return rewards, valid, points
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool) -> torch.Tensor:
+    """A_i = R_i - mean_j R_j over each group (spec/grpo.md); with std_normalize, / (std_j R_j + 1e-4)."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if std_normalize:  # unbiased std as in TRL; equal rewards give A = 0 either way
+        adv = adv / (r.std(dim=1, keepdim=True) + 1e-4) if group_size > 1 else adv
+    return adv.reshape(-1)
+
+
+def update_entropy_offset(k: float, mean_entropy: float, args: Args) -> float:
+    """AC2 paper Eq. 9: k <- clip(k + delta_H * sign(H* - H_hat), -bound, bound); eps_high = clip_high + k."""
+    step = args.entropy_step * float(np.sign(args.entropy_target - mean_entropy))
+    return float(np.clip(k + step, -args.entropy_k_bound, args.entropy_k_bound))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Log-probabilities (chunked) and the PPO loss
+# ----------------------------------------------------------------------------------------------------
+def _chunk_logprobs(hidden, targets, weight, bias, temperature: float, with_entropy: bool):
+    logits = F.linear(hidden, weight, bias).float() / temperature  # [chunk, vocab], never [tokens, vocab]
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None])[:, 0] - logz
+    if not with_entropy:
+        return logp, None
+    entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
+
+
+def sequence_logprobs(model, input_ids, starts, lengths, temperature: float, chunk: int, with_entropy=False):
+    """Log-probabilities (and entropies) of tokens input_ids[b, starts[b] : starts[b]+lengths[b]].
+
+    Right-padded batch, plain positions 0..n-1 as vLLM saw them. Only the hidden states of the needed
+    positions go through the LM head, `chunk` positions at a time; with gradients on, each chunk is
+    checkpointed so its logits are recomputed in the backward pass instead of kept.
+    Returns flat tensors over the selected tokens, in batch order.
+    """
+    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state
+    rows = torch.cat([torch.full((n,), b, dtype=torch.long) for b, n in enumerate(lengths)]).to(input_ids.device)
+    cols = torch.cat([torch.arange(s - 1, s - 1 + n) for s, n in zip(starts, lengths)]).to(input_ids.device)
+    h, targets = hidden[rows, cols], input_ids[rows, cols + 1]  # position t predicts token t+1
+    head = model.get_output_embeddings()
+    logps, ents = [], []
+    for i in range(0, h.shape[0], chunk):
+        fn_args = (h[i : i + chunk], targets[i : i + chunk], head.weight, head.bias, temperature, with_entropy)
+        lp, ent = checkpoint(_chunk_logprobs, *fn_args, use_reentrant=False) if torch.is_grad_enabled() \
+            else _chunk_logprobs(*fn_args)
+        logps.append(lp)
+        ents.append(ent)
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+
+def ppo_loss(logp, old_logp, adv, clip_low: float, clip_high: float, dual_clip: float):
+    """Per-token dual-clip PPO loss (spec/ac2.md "Actor loss"), plus which clip was active.
+
+    ratio = exp(clamp(logp - old_logp, -20, 20)); L = max(-A*ratio, -A*clip(ratio, 1-eps_low, 1+eps_high));
+    for A < 0 the loss is further capped at -A*c (dual clip), so a huge ratio cannot blow up a negative update.
+    """
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
+    unclipped, clipped = -adv * ratio, -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual_active = (adv < 0) & (loss > -adv * dual_clip) if dual_clip > 0 else torch.zeros_like(adv, dtype=torch.bool)
+    loss = torch.where(dual_active, -adv * dual_clip, loss)
+    stats = {
+        "clip_low": (adv < 0) & (ratio < 1 - clip_low),
+        "clip_high": (adv > 0) & (ratio > 1 + clip_high),
+        "clip_dual": dual_active,
+        "approx_kl": (ratio - 1) - torch.log(ratio),  # k3 estimate of KL(old || new)
+    }
+    return loss, stats
+
+
+def aggregate_loss(tok_loss, token_counts: list[int], loss_agg: str, denom: float):
+    """This micro-batch's share of the minibatch loss; micro-batch shares add up to the minibatch loss.
+
+    token-mean: sum of token losses / tokens in the minibatch (denom) -- every token weighs the same.
+    seq-mean-token-mean: each sequence's token mean, summed / sequences in the minibatch (denom).
+    """
+    if loss_agg == "token-mean":
+        return tok_loss.sum() / denom
+    per_seq = torch.stack([t.mean() for t in tok_loss.split(token_counts)])
+    return per_seq.sum() / denom
+
+
+def make_micro_batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Greedy packing, longest first, so that (rows x longest row) <= budget tokens (one row may exceed it)."""
+    order = sorted(indices, key=lambda i: -lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + ([current] if current else [])
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
+    out = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s)
+    return out.to(device)
+
+
+def autocast(device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints: written aside then renamed, so a kill mid-save never spoils the last good one
+# ----------------------------------------------------------------------------------------------------
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, state: dict, keep: int) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    final, tmp = run_dir / f"step_{step}", run_dir / f".step_{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp / "policy")
+    tokenizer.save_pretrained(tmp / "policy")
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng, **state}, tmp / "trainer_state.pt")
+    if final.exists():  # re-saving a step after a resume: swap, never leave no checkpoint behind
+        os.replace(final, run_dir / f".step_{step}.old")
+    os.replace(tmp, final)
+    shutil.rmtree(run_dir / f".step_{step}.old", ignore_errors=True)
+    for old in sorted(run_dir.glob("step_*"), key=lambda p: int(p.name[5:]))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def find_checkpoint(path: str) -> Path:
+    p = Path(path)
+    if (p / "trainer_state.pt").exists():
+        return p
+    steps = sorted((d for d in p.glob("step_*") if (d / "trainer_state.pt").exists()), key=lambda d: int(d.name[5:]))
+    if not steps:
+        raise SystemExit(f"--resume {path!r}: no checkpoint there (expected trainer_state.pt or step_<N> folders).")
+    return steps[-1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------
+def main(args: Args) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    resume_dir = find_checkpoint(args.resume) if args.resume else None
+    ckpt = torch.load(resume_dir / "trainer_state.pt", weights_only=False) if resume_dir else None
+    run_name = args.run_name or (ckpt["run_name"] if ckpt else f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    # --- data (fail fast, one sentence) ---
+    train_fields = [args.problem_field] + ([args.answer_field] if args.reward == "verifier" else [])
+    eval_fields = [args.problem_field] + ([args.eval_answer_field] if args.reward == "verifier" else [])
+    train_rows = load_rows(args.dataset, args.dataset_split, train_fields, args.train_limit)
+    eval_rows = load_rows(args.eval_dataset, args.eval_split, eval_fields, args.eval_limit) if args.eval_every else []
+
+    # --- models: the trainer (plain transformers) and the engine (vLLM) ---
+    model_path = tiny_model_path() if args.model == "tiny" else args.model
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except Exception as e:
+        raise SystemExit(f"could not load model {args.model!r}: {str(e).splitlines()[0][:300]}") from None
+    policy_path = resume_dir / "policy" if resume_dir else model_path
+    model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).to(device)
+    if device.type == "cuda" and args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    ref_model = None
+    if args.kl_coef > 0:
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+        ref_model.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
+                                  betas=(0.9, 0.999), eps=1e-8)
+    prompts = [encode_prompt(tokenizer, args.prompt_template, r[args.problem_field]) for r in train_rows]
+    eval_prompts = [encode_prompt(tokenizer, args.prompt_template, r[args.problem_field]) for r in eval_rows]
+    longest_prompt = max(map(len, prompts + eval_prompts))
+    llm = engine.create_engine(
+        model_path, max_model_len=longest_prompt + max(args.max_response_tokens, args.eval_max_tokens) + 8,
+        seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    flops_A, flops_B = engine.decoding_flops_coefficients(config)
+    verifier = AnswerVerifier() if args.reward == "verifier" and args.dataset != "tiny" else None
+    judge = None
+    if args.reward == "judge":
+        judge = Judge(JudgeConfig(args.judge_base_url, args.judge_model, args.judge_api_key_env,
+                                  args.judge_max_concurrency, args.judge_timeout_s, args.judge_max_retries,
+                                  temperature=args.judge_temperature, max_tokens=args.judge_max_tokens))
+        if (err := judge.check()) is not None:
+            raise SystemExit(f"the judge at {args.judge_base_url} ({args.judge_model}) is unreachable: {err}")
+
+    # --- state that a checkpoint carries ---
+    start_step, k_entropy, total_flops, total_tokens = 0, args.entropy_k_init, 0, 0
+    if ckpt:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        start_step, k_entropy = ckpt["step"], ckpt["entropy_k"]
+        total_flops, total_tokens = ckpt["decoding_flops"], ckpt["generated_tokens"]
+        random.setstate(ckpt["rng"]["python"])
+        np.random.set_state(ckpt["rng"]["numpy"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        print(f"resumed from {resume_dir} at step {start_step}")
+    engine.sync_weights(llm, model)  # the engine serves exactly the trainer's (possibly resumed) weights
+
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+        f"|{k}|{v!r}|" for k, v in vars(args).items()))
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
+
+    def evaluate(step: int) -> float:
+        from vllm import SamplingParams
+
+        t0 = time.time()
+        params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
+                                 top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
+                                 seed=request_seed(args.seed, -1, i))  # same seeds at every evaluation
+                  for i in range(len(eval_prompts))]
+        groups = engine.generate(llm, eval_prompts, params)
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+        rows = [r for r in eval_rows for _ in range(args.eval_samples)]
+        rewards, valid, points = score_responses(args, texts, rows, verifier=verifier, judge=judge, evaluation=True)
+        score = float(np.mean(rewards))
+        writer.add_scalar("eval/mean_score", score, step)
+        if args.reward == "judge":
+            writer.add_scalar("eval/pass_rate", float(np.mean([(p or 0) >= 6 for p in points])), step)
+            writer.add_scalar("eval/judge_invalid", float(np.mean([not v for v in valid])), step)
+        writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])), step)
+        writer.add_scalar("time/eval", time.time() - t0, step)
+        return score
+
+    last_eval = evaluate(0) if args.eval_every and start_step == 0 else float("nan")
+    if start_step == 0:
+        print(f"step 0 | eval {last_eval:.3f}")
+    from vllm import SamplingParams
+
+    for step in range(start_step + 1, args.num_steps + 1):
+        t_step = time.time()
+        # 1. sample G complete responses for each of B problems
+        t0 = time.time()
+        batch_idx = problems_for_step(len(train_rows), args.problems_per_step, step, args.seed)
+        params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                 max_tokens=args.max_response_tokens, logprobs=0,
+                                 seed=request_seed(args.seed, step, j)) for j in range(len(batch_idx))]
+        groups = engine.generate(llm, [prompts[i] for i in batch_idx], params)
+        engine.sleep(llm)
+        samples = [(i, c) for i, g in zip(batch_idx, groups) for c in g]  # group-major: G rows per problem
+        new_tokens = [len(c.token_ids) for _, c in samples]
+        total_tokens += sum(new_tokens)
+        total_flops += sum(engine.decoding_flops(flops_A, flops_B, len(prompts[i]), len(c.token_ids)) for i, c in samples)
+        t_generate = time.time() - t0
+
+        # 2. score every response
+        t0 = time.time()
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in samples]
+        rewards, valid, _ = score_responses(args, texts, [train_rows[i] for i, _ in samples], verifier=verifier,
+                                            judge=judge)
+        rewards_t = torch.tensor(rewards, dtype=torch.float32)
+        advantages = group_advantages(rewards_t, args.group_size, args.std_normalize)
+        t_score = time.time() - t0
+
+        # 3. old log-probabilities and entropies, recomputed by the trainer (logits / temperature)
+        t0 = time.time()
+        seqs = [prompts[i] + c.token_ids for i, c in samples]
+        starts = [len(prompts[i]) for i, _ in samples]
+        lengths = [len(s) for s in seqs]
+        old_logps, ref_logps, entropies = [None] * len(samples), [None] * len(samples), [None] * len(samples)
+        model.eval()
+        with torch.no_grad(), autocast(device):
+            for mb in make_micro_batches(list(range(len(samples))), lengths, args.micro_batch_tokens):
+                ids = pad_batch([seqs[i] for i in mb], tokenizer.pad_token_id, device)
+                mb_starts, mb_lens = [starts[i] for i in mb], [new_tokens[i] for i in mb]
+                lp, ent = sequence_logprobs(model, ids, mb_starts, mb_lens, args.temperature,
+                                            args.logprob_chunk_tokens, with_entropy=True)
+                ref = sequence_logprobs(ref_model, ids, mb_starts, mb_lens, args.temperature,
+                                        args.logprob_chunk_tokens)[0] if ref_model else lp
+                for j, a, b, c in zip(mb, lp.split(mb_lens), ent.split(mb_lens), ref.split(mb_lens)):
+                    old_logps[j], entropies[j], ref_logps[j] = a, b, c
+        all_old = torch.cat(old_logps).cpu()
+        vllm_lp = torch.tensor([x for _, c in samples for x in c.logprobs])
+        log_ratio = all_old - vllm_lp  # trainer vs sampler on the sampled tokens
+        mismatch_kl = float((torch.exp(log_ratio) - 1 - log_ratio).mean()) if len(vllm_lp) else 0.0
+        mean_entropy = float(torch.cat(entropies).mean()) if sum(new_tokens) else 0.0
+        # 4. adaptive entropy control, once per step before the update (every GRPO row has an empty prefix)
+        if args.entropy_control:
+            k_entropy = update_entropy_offset(k_entropy, mean_entropy, args)
+        clip_high = args.clip_high + (k_entropy if args.entropy_control else 0.0)
+
+        # 5. PPO update: one epoch, num_minibatches consecutive minibatches, each one optimizer step
+        model.train()
+        stats = {"policy_loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "clip_dual": 0.0, "approx_kl": 0.0,
+                 "kl_ref": 0.0}
+        grad_norms, skipped = [], 0
+        n = len(samples)
+        for m in range(args.num_minibatches):
+            mb_idx = [i for i in range(m * n // args.num_minibatches, (m + 1) * n // args.num_minibatches)
+                      if new_tokens[i] > 0]
+            if not mb_idx:
+                continue
+            denom = sum(new_tokens[i] for i in mb_idx) if args.loss_agg == "token-mean" else len(mb_idx)
+            optimizer.zero_grad(set_to_none=True)
+            for micro in make_micro_batches(mb_idx, lengths, args.micro_batch_tokens):
+                ids = pad_batch([seqs[i] for i in micro], tokenizer.pad_token_id, device)
+                with autocast(device):
+                    logp, _ = sequence_logprobs(model, ids, [starts[i] for i in micro], [new_tokens[i] for i in micro],
+                                                args.temperature, args.logprob_chunk_tokens)
+                old = torch.cat([old_logps[i] for i in micro])
+                adv = torch.cat([advantages[i].expand(new_tokens[i]) for i in micro]).to(device)
+                tok_loss, st = ppo_loss(logp, old, adv, args.clip_low, clip_high, args.dual_clip)
+                if ref_model is not None:  # k3 estimator of KL(pi || pi_ref), per token
+                    d = torch.cat([ref_logps[i] for i in micro]) - logp
+                    kl = torch.exp(d) - d - 1
+                    tok_loss = tok_loss + args.kl_coef * kl
+                    stats["kl_ref"] += float(kl.detach().sum()) / sum(new_tokens)
+                loss = aggregate_loss(tok_loss, [new_tokens[i] for i in micro], args.loss_agg, denom)
+                loss.backward()
+                stats["policy_loss"] += float(loss.detach()) / args.num_minibatches
+                for key in ("clip_low", "clip_high", "clip_dual", "approx_kl"):
+                    stats[key] += float(st[key].float().sum()) / sum(new_tokens)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+            else:  # a non-finite gradient would poison the weights; skip this minibatch's step
+                skipped += 1
+            grad_norms.append(float(grad_norm))
+        t_train = time.time() - t0
+
+        # 6. the engine serves the new weights from the next rollout on
+        t0 = time.time()
+        engine.wake_up(llm, model)
+        t_sync = time.time() - t0
+
+        # 7. log
+        r = rewards_t.view(-1, args.group_size)
+        scalars = {
+            "charts/decoding_flops": total_flops, "charts/generated_tokens": total_tokens,
+            "charts/step_time": time.time() - t_step, "charts/learning_rate": args.learning_rate,
+            "train/reward_mean": float(rewards_t.mean()), "train/reward_std": float(rewards_t.std()) if n > 1 else 0.0,
+            "train/zero_std_frac": float((r.std(dim=1) == 0).float().mean()) if args.group_size > 1 else 1.0,
+            "train/judge_invalid": float(np.mean([not v for v in valid])),
+            "train/response_len_mean": float(np.mean(new_tokens)), "train/response_len_min": min(new_tokens),
+            "train/response_len_max": max(new_tokens),
+            "train/truncated_frac": float(np.mean([c.truncated for _, c in samples])),
+            "losses/policy_loss": stats["policy_loss"],
+            "losses/clipfrac": stats["clip_low"] + stats["clip_high"],
+            "losses/clipfrac_low": stats["clip_low"], "losses/clipfrac_high": stats["clip_high"],
+            "losses/clipfrac_dual": stats["clip_dual"], "losses/approx_kl": stats["approx_kl"],
+            "losses/entropy": mean_entropy, "losses/eps_high": clip_high, "losses/grad_norm": float(np.mean(grad_norms)),
+            "losses/skipped_steps": skipped, "sampling/mismatch_kl": mismatch_kl,
+            "sampling/mismatch_max": float(log_ratio.abs().max()) if len(vllm_lp) else 0.0,
+            "time/generate": t_generate, "time/score": t_score, "time/train": t_train, "time/sync": t_sync,
+        }
+        if ref_model is not None:
+            scalars["losses/kl_ref"] = stats["kl_ref"]
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+        if args.log_completions_every and step % args.log_completions_every == 0:
+            shown = "\n\n".join(f"**reward {rewards[j]:.2f}**\n```\n{texts[j][-2000:]}\n```" for j in range(min(4, n)))
+            writer.add_text("samples/completions", shown, step)
+        if args.eval_every and (step % args.eval_every == 0 or step == args.num_steps):
+            last_eval = evaluate(step)
+        print(f"step {step}/{args.num_steps} | reward {scalars['train/reward_mean']:.3f} | eval {last_eval:.3f} | "
+              f"len {scalars['train/response_len_mean']:.0f} | kl {mismatch_kl:.1e} | gen {t_generate:.1f}s "
+              f"score {t_score:.1f}s train {t_train:.1f}s sync {t_sync:.2f}s", flush=True)
+
+        # 8. checkpoint
+        if args.save_every and (step % args.save_every == 0 or step == args.num_steps):
+            path = save_checkpoint(Path(args.checkpoint_dir) / run_name, step, model, tokenizer, optimizer,
+                                   {"run_name": run_name, "entropy_k": k_entropy, "decoding_flops": total_flops,
+                                    "generated_tokens": total_tokens}, args.keep_checkpoints)
+            print(f"saved {path}")
+
+    writer.close()
+    if verifier is not None:
+        verifier.close()
+    return {"run_name": run_name, "eval/mean_score": last_eval}
+
+
+if __name__ == "__main__":
+    # `--tiny` swaps in the tiny defaults; every other flag still overrides them
+    main(tyro.cli(Args, default=tiny_args() if "--tiny" in sys.argv[1:] else None))
