@@ -1,0 +1,53 @@
+"""Shared fixtures. Everything runs offline on a CPU with the built-in tiny model (built once, cached)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub on these machines: fail fast instead of retrying
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from common.tiny import tiny_model_path
+
+    return tiny_model_path()
+
+
+@pytest.fixture(scope="session")
+def engine_and_model(tiny_model):
+    """One in-process vLLM engine + a trainer copy of the tiny model, shared by the engine tests."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common import engine
+
+    llm = engine.create_engine(tiny_model, max_model_len=1024, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    return llm, model
+
+
+def run_script(script: str, *args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run one of the trainers as a user would, in `cwd` (its runs/ and checkpoints/ land there)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    """All scalars of a TensorBoard run folder: {tag: {step: value}}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}

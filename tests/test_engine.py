@@ -1,0 +1,78 @@
+"""The engine: Eq. 6 FLOPs constants, and weight sync between the trainer and the real vLLM engine."""
+
+import torch
+from transformers import LlamaConfig, Qwen3Config
+from vllm import SamplingParams
+
+from common import engine
+from common.tiny import build_tokenizer
+import grpo
+
+
+def test_flops_coefficients_reproduce_the_ac2_paper_for_qwen3_4b():
+    config = Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    assert engine.decoding_flops_coefficients(config) == (8_044_544_000, 589_824)
+
+
+def test_flops_coefficients_llama_style_config_without_explicit_head_dim():
+    # Llama-3-8B shapes; head_dim = hidden / heads = 128. Hand count (2 FLOPs per multiply-add):
+    # per layer q,o 2*4096*4096 each, k,v 2*4096*1024 each, MLP 3*2*4096*14336; logits 2*4096*128256
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256)
+    per_layer = 2 * 2 * 4096 * 4096 + 2 * 2 * 4096 * 1024 + 6 * 4096 * 14336
+    assert engine.decoding_flops_coefficients(config) == (32 * per_layer + 2 * 4096 * 128256, 32 * 4 * 32 * 128)
+
+
+def test_decoding_flops_eq6_by_hand():
+    # m = g - 1 = 3 decoding forwards attending to p+1, p+2, p+3 = 6, 7, 8 positions
+    assert engine.decoding_flops(10, 2, p=5, g=4) == 10 * 3 + 2 * (6 + 7 + 8)
+    assert engine.decoding_flops(10, 2, p=5, g=1) == 0  # the only token came from the prefill
+    assert engine.decoding_flops(10, 2, p=5, g=0) == 0
+
+
+def _trainer_logprobs(model, prompt, completion, temperature):
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        lp, _ = grpo.sequence_logprobs(model, ids, [len(prompt)], [len(completion)], temperature, chunk=7)
+    return lp
+
+
+def _max_gap(llm, model, prompt, seed):
+    params = SamplingParams(n=4, temperature=0.8, max_tokens=40, logprobs=0, seed=seed)
+    gaps = []
+    for c in engine.generate(llm, [prompt], params)[0]:
+        assert len(c.logprobs) == len(c.token_ids) > 0
+        trainer = _trainer_logprobs(model, prompt, c.token_ids, 0.8)
+        gaps.append((trainer - torch.tensor(c.logprobs)).abs().max().item())
+    return max(gaps)
+
+
+def test_sync_weights_makes_vllm_logprobs_equal_the_trainers_twice_in_a_row(engine_and_model):
+    llm, model = engine_and_model
+    tok = build_tokenizer()
+    prompt = grpo.encode_prompt(tok, "{problem}", "Add: 12+34+56")
+    engine.sync_weights(llm, model)
+    assert _max_gap(llm, model, prompt, seed=1) < 1e-4
+    gen = torch.Generator().manual_seed(0)
+    for round_ in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        stale = _max_gap(llm, model, prompt, seed=10 + round_)
+        assert stale > 1e-2, "the perturbation must be visible before the sync, or this test proves nothing"
+        engine.sync_weights(llm, model)
+        assert _max_gap(llm, model, prompt, seed=20 + round_) < 1e-4
+
+
+def test_generate_returns_finish_reasons_and_end_of_turn_token(engine_and_model, tiny_model):
+    llm, _ = engine_and_model
+    from transformers import AutoModelForCausalLM
+
+    engine.sync_weights(llm, AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+    tok = build_tokenizer()
+    prompt = grpo.encode_prompt(tok, "{problem}", "Add: 12+34")
+    done, cut = engine.generate(llm, [prompt, prompt], [SamplingParams(temperature=0, max_tokens=100),
+                                                        SamplingParams(temperature=0, max_tokens=3)])
+    assert done[0].finish_reason == "stop" and done[0].token_ids[-1] == tok.eos_token_id
+    assert cut[0].truncated and len(cut[0].token_ids) == 3

@@ -1,0 +1,74 @@
+"""grpo.py end to end on the tiny task with the real vLLM engine, and resume equivalence after a kill."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, read_scalars, run_script
+
+SMALL = ["--tiny", "--num-steps", "4", "--problems-per-step", "8", "--group-size", "4", "--eval-every", "2",
+         "--eval-limit", "16", "--save-every", "2", "--log-completions-every", "2"]
+SHARED_KEYS = ["charts/decoding_flops", "charts/generated_tokens", "charts/step_time", "train/reward_mean",
+               "losses/policy_loss", "losses/clipfrac", "losses/approx_kl", "losses/entropy",
+               "sampling/mismatch_kl", "time/generate", "time/score", "time/train", "time/sync"]
+
+
+def weights(folder):
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_grpo_tiny_run_logs_every_metric_and_changes_the_weights(tmp_path, tiny_model):
+    run_script("grpo.py", *SMALL, "--run-name", "e2e", cwd=tmp_path)
+    s = read_scalars(tmp_path / "runs" / "e2e")
+    for key in SHARED_KEYS + ["train/zero_std_frac", "train/truncated_frac", "losses/clipfrac_dual",
+                              "losses/eps_high", "sampling/mismatch_max", "train/response_len_mean"]:
+        assert sorted(s[key]) == [1, 2, 3, 4], key
+        assert all(math.isfinite(v) for v in s[key].values()), key
+    assert sorted(s["eval/mean_score"]) == [0, 2, 4]
+    assert 0.1 < s["eval/mean_score"][0] < 0.9  # the warm start is competent but error-prone
+    tokens, flops = s["charts/generated_tokens"], s["charts/decoding_flops"]
+    assert all(tokens[i + 1] > tokens[i] and flops[i + 1] > flops[i] for i in (1, 2, 3))
+    # 32 responses per step of ~15-65 tokens each
+    assert 32 * 10 < tokens[1] < 32 * 150
+    # the engine samples from exactly the trainer's weights, step after step
+    assert max(s["sampling/mismatch_kl"].values()) < 1e-4
+    assert max(s["sampling/mismatch_max"].values()) < 1e-3
+    assert abs(s["losses/eps_high"][1] - (0.28 + 0.08)) < 1e-6 # k0 = 0.06, tiny entropy is below H* = 0.28: +0.02
+    assert 0 < s["train/response_len_mean"][1] < 150
+    before, after = weights(__import__("pathlib").Path(tiny_model)), weights(tmp_path / "checkpoints/e2e/step_4/policy")
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) == len(before), "every parameter tensor should have moved"
+
+
+def test_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
+    run_script("grpo.py", *SMALL, "--run-name", "straight", cwd=tmp_path)
+    # the same run, killed (SIGKILL) once its step-2 checkpoint exists
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), *SMALL, "--run-name", "killed"], cwd=tmp_path,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = tmp_path / "checkpoints/killed/step_2/trainer_state.pt"
+    deadline = time.time() + 600
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists()
+    run_script("grpo.py", *SMALL, "--resume", str(tmp_path / "checkpoints/killed/step_2"), "--run-name", "resumed",
+               cwd=tmp_path)
+    a, b = weights(tmp_path / "checkpoints/straight/step_4/policy"), weights(tmp_path / "checkpoints/resumed/step_4/policy")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    sa, sb = read_scalars(tmp_path / "runs/straight"), read_scalars(tmp_path / "runs/resumed")
+    for key in ["train/reward_mean", "losses/policy_loss", "losses/entropy", "losses/eps_high",
+                "charts/decoding_flops", "charts/generated_tokens", "train/response_len_mean"]:
+        assert sorted(sb[key]) == [3, 4], key
+        for step in (3, 4):
+            assert sb[key][step] == sa[key][step], (key, step)
+    assert sb["eval/mean_score"][4] == sa["eval/mean_score"][4]

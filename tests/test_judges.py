@@ -1,0 +1,185 @@
+"""Judge client against a real local HTTP server; points parsing; extraction; math-verify."""
+
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from common.judges import (AnswerVerifier, Judge, JudgeConfig, extract_boxed, extract_final_answer, extract_proof,
+                           parse_points)
+
+KEY = "sk-test-secret-123"
+
+
+class StubJudge(BaseHTTPRequestHandler):
+    """An OpenAI-compatible /chat/completions whose behaviour is chosen by a MODE:<name> tag in the prompt."""
+
+    hits: dict = {}
+    lock = threading.Lock()
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["messages"][0]["content"]
+        mode = prompt.split("MODE:")[1].split()[0] if "MODE:" in prompt else "ok7"
+        with self.lock:
+            n = self.hits[mode] = self.hits.get(mode, 0) + 1
+        if self.headers.get("Authorization") != f"Bearer {KEY}":
+            return self._send(401, {"error": {"message": "bad key"}})
+        if mode == "flaky" and n <= 2:
+            return self._send(500, {"error": {"message": "overloaded"}})
+        if mode == "always500":
+            return self._send(500, {"error": {"message": "down"}})
+        if mode == "bad400":
+            return self._send(400, {"error": {"message": "bad request"}})
+        if mode == "hang":
+            time.sleep(3)
+        if mode == "garbage_body":
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"<html>definitely not json")
+            return
+        content = {
+            "ok7": "Looks complete.\n<points>7 out of 7</points>",
+            "ok3": "Gaps.\n<points>3 out of 7</points>",
+            "garbage": "I refuse to grade this.",
+            "channel": "<think>maybe <points>7 out of 7</points></think>Final: <points>2 out of 7</points>",
+            "reasoning_field": "Final: <points>4 out of 7</points>",
+        }.get(mode, "<points>7 out of 7</points>")
+        message = {"role": "assistant", "content": content}
+        if mode == "reasoning_field":
+            message["reasoning_content"] = "<points>7 out of 7</points>"
+        self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                         "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    def _send(self, code, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture()
+def server(monkeypatch):
+    StubJudge.hits = {}
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), StubJudge)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("STUB_JUDGE_KEY", KEY)
+    yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    srv.shutdown()
+
+
+def make_judge(url, **kw):
+    cfg = dict(base_url=url, model="stub", api_key_env="STUB_JUDGE_KEY", max_concurrency=4, timeout_s=1.0,
+               max_retries=3, backoff_s=0.01)
+    cfg.update(kw)
+    return Judge(JudgeConfig(**cfg))
+
+
+def test_judge_grades_retries_and_maps_every_failure_to_invalid_zero(server, caplog):
+    caplog.set_level(logging.DEBUG)
+    modes = ["ok7", "ok3", "flaky", "always500", "bad400", "hang", "garbage", "garbage_body", "channel",
+             "reasoning_field"]
+    t0 = time.time()
+    results = make_judge(server).grade([f"P MODE:{m} " for m in modes], ["proof"] * len(modes))
+    by = dict(zip(modes, results))
+    assert (by["ok7"].points, by["ok7"].reward, by["ok7"].valid) == (7, 1.0, True)
+    assert (by["ok3"].reward, by["ok3"].valid) == (3 / 7, True)
+    assert by["flaky"].valid and by["flaky"].points == 7 and StubJudge.hits["flaky"] == 3  # 2 x 500, then ok
+    assert not by["always500"].valid and StubJudge.hits["always500"] == 4  # 1 try + 3 retries
+    assert not by["bad400"].valid and StubJudge.hits["bad400"] == 1  # 4xx: never retried
+    assert not by["hang"].valid and by["hang"].error == "timeout"
+    assert not by["garbage"].valid and by["garbage"].error == "unparsable judge output"
+    assert not by["garbage_body"].valid
+    assert by["channel"].points == 2  # only the answer channel counts
+    assert by["reasoning_field"].points == 4  # a separate reasoning field is ignored
+    for r in results:
+        if not r.valid:
+            assert r.reward == 0.0 and r.points is None
+    assert time.time() - t0 < 30
+    assert KEY not in caplog.text and all(KEY not in (r.error or "") for r in results)
+
+
+def test_judge_bounded_concurrency(server):
+    # 8 hanging requests, 4 at a time, 1 s timeout and no retries: two waves, so at least ~2 s
+    t0 = time.time()
+    results = make_judge(server, max_retries=0, max_concurrency=4).grade(["MODE:hang"] * 8, ["p"] * 8)
+    assert all(not r.valid for r in results)
+    assert 1.9 < time.time() - t0 < 10
+
+
+def test_judge_bad_key_is_not_retried_and_check_reports_it(server, monkeypatch):
+    monkeypatch.setenv("STUB_JUDGE_KEY", "wrong")
+    judge = make_judge(server)
+    [res] = judge.grade(["MODE:ok7"], ["p"])
+    assert not res.valid and res.error == "HTTP 401" and StubJudge.hits["ok7"] == 1
+    assert "401" in judge.check() and "STUB_JUDGE_KEY" in judge.check()
+    monkeypatch.setenv("STUB_JUDGE_KEY", KEY)
+    assert judge.check() is None
+
+
+def test_judge_unreachable_endpoint_fails_fast():
+    judge = make_judge("http://127.0.0.1:9/v1", max_retries=1)
+    [res] = judge.grade(["p"], ["q"])
+    assert not res.valid and res.error.startswith("connection error")
+    assert judge.check() is not None
+
+
+def test_judge_prompt_has_reference_and_guidelines_only_when_given():
+    plain = Judge.prompt("Prob", "Proof")
+    full = Judge.prompt("Prob", "Proof", "Ref sol", "Rubric")
+    assert "Ref sol" not in plain and "Reference solution" not in plain and "Grading guidelines" not in plain
+    assert "Ref sol" in full and "Rubric" in full and full.index("Prob") < full.index("Ref sol") < full.index("Proof")
+
+
+@pytest.mark.parametrize("text,points", [
+    ("<points>6 out of 7</points>", 6),
+    ("blah <points> 5 out of 7 </points> then <points>3 out of 7</points>", 3),  # the last one
+    ("<points>4</points>", 4),  # first fallback
+    ("I'd give it 2 out of 7.", 2),  # second fallback
+    ("<points>7 out of 7</points> but <points>1</points>", 7),  # the preferred pattern wins over fallbacks
+    ("<points>9 out of 7</points>", None),  # out of range
+    ("no grade here", None),
+    ("", None),
+    (None, None),
+    ("<think>7 out of 7</think>nothing after", None),  # answer channel only
+])
+def test_parse_points(text, points):
+    assert parse_points(text) == points
+
+
+def test_extraction_helpers():
+    assert extract_proof("think</think>\n<proof>\n A proof. \n</proof> <proof>2nd</proof>") == "A proof."
+    assert extract_proof("<proof>inside thinking</proof></think> no proof after") is None
+    assert extract_proof("<proof>never closed the thinking</proof>") is None
+    assert extract_proof("</think><proof>unclosed") is None
+    assert extract_boxed(r"\boxed{\frac{1}{2}} and \boxed{3}") == "3"
+    assert extract_boxed(r"\boxed{\frac{1}{2}} and \boxed{3}", which="first") == r"\frac{1}{2}"
+    assert extract_boxed(r"\boxed{\frac{1}{2}") is None  # unclosed
+    assert extract_final_answer(r"\boxed{1}</think>so \boxed{2}") == "2"
+    assert extract_final_answer(r"\boxed{1} no end of thinking") is None
+
+
+def test_math_verify_cases_and_timeout_safety():
+    v = AnswerVerifier(workers=1, timeout_s=5)
+    try:
+        golds = ["1/2", "\\frac{1}{2}", "3", "x^2+1", "\\sqrt{2}", "(1,2)", "7", "7"]
+        preds = ["0.5", "\\frac{2}{4}", "4", "1+x^2", "2^{1/2}", "(1, 2)", None, "   "]
+        assert v.verify(golds, preds) == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+        # callable from another thread (math-verify's own SIGALRM timeouts would refuse that)
+        out = []
+        t = threading.Thread(target=lambda: out.append(v.verify(["2"], ["2"])))
+        t.start()
+        t.join(60)
+        assert out == [[1.0]]
+    finally:
+        v.close()
