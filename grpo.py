@@ -581,7 +581,7 @@ def main(args: Args) -> dict:
                 loss.backward()
                 stats["policy_loss"] += float(loss.detach()) / args.num_minibatches
                 for key in ("clip_low", "clip_high", "clip_dual", "approx_kl"):
-                    stats[key] += float(st[key].float().sum()) / sum(new_tokens)
+                    stats[key] += float(st[key].detach().float().sum()) / sum(new_tokens)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             if torch.isfinite(grad_norm):
                 optimizer.step()

@@ -64,8 +64,8 @@ class TinyRecipe:
     head_dim: int = 32  # vLLM's CPU attention rejects head_dim=16 (notes/vllm-cpu.md)
     intermediate_size: int = 384
     max_position_embeddings: int = 2048
-    error_rate: float = 0.1  # per running-sum step, in the warm-start traces
-    sft_steps: int = 600
+    error_rate: float = 0.2  # per running-sum step, in the warm-start traces
+    sft_steps: int = 1200
     sft_batch: int = 64
     sft_lr: float = 3e-3
     sft_warmup: int = 50
