@@ -20,7 +20,11 @@ chat template mimics Qwen3-Thinking's (`<|im_start|>`, `<|im_end|>`, `<think>`, 
 tokens). It is warm-started by supervised training on traces in which each running-sum step is wrong
 with probability `error_rate` (off by +-1 or +-10, later steps continuing from the wrong value): the
 policy starts competent but error-prone -- greedy decoding is mostly right, sampling often is not -- and
-RL has room to close that gap. The build is deterministic given the recipe, takes a few minutes on 2
+RL has room to close that gap. Two other kinds of warm-start batches (see `schedule`) stand in for what a
+real LLM brings before RL: partial traces in AC2's critic prompt, answered with the warm-start
+policy's own rough chance of success (0 once a line is wrong, else 0.8 per line still to write) -- a prompted
+LLM critic likewise starts roughly right, and AC2 must keep it right as the policy changes; and packed prompts
+of 1-3 problems answered in CCR's format (each problem restated, solved, then its `Answer k: \\boxed{..}`). The build is deterministic given the recipe, takes a few minutes on 2
 cores, and is cached on disk (``$TINY_RL_CACHE`` or ``~/.cache/tiny-rl``) for every script and test.
 """
 
@@ -44,6 +48,15 @@ from common.judges import extract_final_answer
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # special: dropped by skip_special_tokens
 THINK_TOKENS = ["<think>", "</think>"]  # added but not special, as in Qwen3
 CHARS = ["\n", " "] + [chr(c) for c in range(33, 127)]  # every printable ASCII character
+# The tiny model's critic instruction (ac2.py --short-critic-instruction): the paper's is ~600 characters,
+# i.e. ~600 tokens for a character-level model.
+TINY_CRITIC_INSTRUCTION = "Value of this attempt?{reference}"
+TINY_CRITIC_REFERENCE = " Reference:\n{reference_proof}"
+CRITIC_TURN = "<|im_end|>\n<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nQ value: "
+# The tiny packed prompt of ccr.py (the paper's is ~300 characters); answers as in the paper's format.
+TINY_PACK_TEMPLATE = "Solve these {n} in order, {budget} tokens in all.\n\n{problems}"
+TINY_PACK_BUDGET = 192  # fits about two of the tiny problems (restated, solved, answered)
+VALUE_STRINGS = ["0", "0.1", "0.2", "0.3", "0.4", "0.5", "0.6", "0.7", "0.8", "0.9", "1"]
 # Qwen3-Thinking-2507's template, reduced to what we use: the generation prompt opens the thinking section.
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -65,12 +78,15 @@ class TinyRecipe:
     intermediate_size: int = 384
     max_position_embeddings: int = 2048
     error_rate: float = 0.2  # per running-sum step, in the warm-start traces
-    sft_steps: int = 1200
+    check_rate: float = 0.5  # warm-start traces that copy their sums again after "check:" (verbosity)
+    schedule: str = "solve critic solve packed"  # warm-start batch kinds, in a cycle
+    format_batch: int = 24  # examples per critic / packed batch (they are 2-4x longer)
+    sft_steps: int = 1600
     sft_batch: int = 64
     sft_lr: float = 3e-3
     sft_warmup: int = 50
     seed: int = 0
-    version: int = 1  # bump when the task or the build changes
+    version: int = 4  # bump when the task or the build changes
 
 
 RECIPE = TinyRecipe()
@@ -90,12 +106,40 @@ def tiny_problem(rng: random.Random) -> dict:
     }
 
 
-def tiny_solution(numbers: list[int], rng: random.Random | None = None, error_rate: float = 0.0) -> str:
+def tiny_solution(numbers: list[int], rng: random.Random | None = None, error_rate: float = 0.0,
+                  check: bool = False) -> str:
     """The response after the generation prompt's `<think>\\n`: running sums, then the boxed total.
 
     With `error_rate` > 0 a step's result is off by +-1 or +-10 with that probability, and later steps
-    continue from the wrong value, so the boxed answer agrees with the (wrong) trace.
+    continue from the wrong value, so the boxed answer agrees with the (wrong) trace. With `check`, the
+    sums are copied once more after a `check:` line -- tokens that change nothing, like a thinking model's
+    habit of re-verifying: only a length-aware reward (RPO) or a shared budget (CCR) makes them cost.
     """
+    lines, total = _running_sums(numbers, rng, error_rate)
+    lines += ["check:"] + lines if check else []
+    return "\n".join(lines) + "\n</think>\n\n\\boxed{" + str(total) + "}"
+
+
+def tiny_packed_solution(packed: list[list[int]], rng: random.Random | None = None, error_rate: float = 0.0,
+                         checks: list[bool] | None = None) -> str:
+    """The response to a packed prompt (ccr.py): for each problem, its statement restated (so a tiny model
+    need not count problems in the prompt), its running sums, then its `Answer k: \\boxed{..}` line; all
+    inside the thinking section, which closes after the last answer."""
+    lines = []
+    for k, numbers in enumerate(packed, 1):
+        steps, total = _running_sums(numbers, rng, error_rate)
+        steps += ["check:"] + steps if checks and checks[k - 1] else []
+        lines += [f"Problem {k}: Add: " + "+".join(map(str, numbers))] + steps + [f"Answer {k}: \\boxed{{{total}}}"]
+    return "\n".join(lines) + "\n</think>"
+
+
+def tiny_pack_prompt(problems: list[str], budget: int = TINY_PACK_BUDGET) -> str:
+    """The tiny packed prompt (ccr.py --tiny's --pack-template), problems in the given order."""
+    listed = "\n\n".join(f"Problem {k}: {q}" for k, q in enumerate(problems, 1))
+    return TINY_PACK_TEMPLATE.format(n=len(problems), budget=budget, problems=listed)
+
+
+def _running_sums(numbers: list[int], rng: random.Random | None, error_rate: float) -> tuple[list[str], int]:
     lines, total = [], numbers[0]
     for x in numbers[1:]:
         new = total + x
@@ -103,7 +147,7 @@ def tiny_solution(numbers: list[int], rng: random.Random | None = None, error_ra
             new += rng.choice([-10, -1, 1, 10])
         lines.append(f"{total}+{x}={new}")
         total = new
-    return "\n".join(lines) + "\n</think>\n\n\\boxed{" + str(total) + "}"
+    return lines, total
 
 
 def tiny_dataset(split: str) -> list[dict]:
@@ -211,17 +255,52 @@ def _build_tiny_model(out: Path, recipe: TinyRecipe) -> None:
 def _warm_start(model, tokenizer, recipe: TinyRecipe) -> list[float]:
     """Supervised warm start on freshly generated noisy traces; loss on response tokens only."""
     rng = random.Random(recipe.seed)
-    prompt_cache: dict[str, list[int]] = {}
 
-    def encode(p: dict, numbers: list[int]) -> tuple[list[int], int]:
-        if p["problem"] not in prompt_cache:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": p["problem"]}], tokenize=False, add_generation_prompt=True
-            )
-            prompt_cache[p["problem"]] = tokenizer(text, add_special_tokens=False)["input_ids"]
-        prompt = prompt_cache[p["problem"]]
-        response = tokenizer(tiny_solution(numbers, rng, recipe.error_rate), add_special_tokens=False)
-        return prompt + response["input_ids"] + [tokenizer.eos_token_id], len(prompt)
+    def chat(user: str) -> list[int]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def draw() -> tuple[dict, list[int]]:
+        while True:
+            p = tiny_problem(rng)
+            if p["problem"] not in held_out:  # never train on the held-out split
+                return p, [int(x) for x in p["problem"][len("Add: "):].split("+")]
+
+    def example(kind: str) -> tuple[list[int], int]:
+        """(token ids, length of the context that gets no loss)."""
+        if kind == "packed":
+            pack = [draw() for _ in range(rng.choice([1, 2, 3]))]
+            context = chat(tiny_pack_prompt([p["problem"] for p, _ in pack]))
+            checks = [rng.random() < recipe.check_rate for _ in pack]
+            response = tiny_packed_solution([nums for _, nums in pack], rng, recipe.error_rate, checks)
+            return context + tokenizer(response, add_special_tokens=False)["input_ids"] + [eos], len(context)
+        p, numbers = draw()
+        prompt = chat(p["problem"])
+        check = rng.random() < recipe.check_rate
+        text = tiny_solution(numbers, rng, recipe.error_rate, check)
+        response = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if kind == "solve":
+            return prompt + response + [eos], len(prompt)
+        # the critic prompt format of ac2.critic_context: partial attempt, </think> if it has none, the
+        # instruction (with a correct trace as reference half the time), the forced "Q value: " prefill
+        attempt = response[: rng.randint(0, len(response))]
+        ref = TINY_CRITIC_REFERENCE.format(reference_proof=tiny_solution(numbers)) if rng.random() < 0.5 else ""
+        turn = CRITIC_TURN.format(instruction=TINY_CRITIC_INSTRUCTION.format(reference=ref))
+        close = [] if think_end in attempt else [think_end]
+        context = prompt + attempt + close + tokenizer(turn, add_special_tokens=False)["input_ids"]
+        value = tokenizer(VALUE_STRINGS[prior_value(tokenizer.decode(attempt), numbers)], add_special_tokens=False)
+        return context + value["input_ids"] + [eos], len(context)
+
+    def prior_value(attempt: str, numbers: list[int]) -> int:
+        """The warm-start policy's chance to finish right, on the grid (tenths): 0 once the attempt has left
+        every correct trace, else (1 - error_rate) ** (sum lines still to write)."""
+        if not any(tiny_solution(numbers, check=c).startswith(attempt) for c in (False, True)):
+            return 0
+        remaining = len(numbers) - 1 - attempt.split("check:")[0].count("\n")
+        return round(10 * (1 - recipe.error_rate) ** max(remaining, 0))
+
+    think_end, eos = tokenizer.convert_tokens_to_ids("</think>"), tokenizer.eos_token_id
 
     held_out = {p["problem"] for p in tiny_dataset("test")}
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.sft_lr, weight_decay=0.01)
@@ -233,13 +312,10 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> list[float]:
     model.train()
     losses = []
     for step in range(recipe.sft_steps):
-        batch = []
-        while len(batch) < recipe.sft_batch:
-            p = tiny_problem(rng)
-            if p["problem"] in held_out:  # never train on the held-out split
-                continue
-            numbers = [int(x) for x in p["problem"][len("Add: "):].split("+")]
-            batch.append(encode(p, numbers))
+        # the longer format examples come in batches of their own, to keep padding low
+        kinds = recipe.schedule.split()
+        kind = kinds[step % len(kinds)]
+        batch = [example(kind) for _ in range(recipe.sft_batch if kind == "solve" else recipe.format_batch)]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((len(batch), width), tokenizer.pad_token_id)
         labels = torch.full((len(batch), width), -100)

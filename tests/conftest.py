@@ -51,3 +51,29 @@ def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def run_killed_after(script: str, args: list[str], marker: Path, cwd: Path, timeout: int = 900) -> None:
+    """Start a trainer and SIGKILL it (with its process group) as soon as `marker` exists."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + timeout
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists(), f"{script} never wrote {marker}"
+
+
+def assert_same_weights(a_dir: Path, b_dir: Path) -> None:
+    from safetensors.torch import load_file
+    import torch
+
+    a, b = load_file(str(a_dir / "model.safetensors")), load_file(str(b_dir / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

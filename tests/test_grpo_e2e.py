@@ -1,16 +1,12 @@
 """grpo.py end to end on the tiny task with the real vLLM engine, and resume equivalence after a kill."""
 
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, read_scalars, run_script
+from conftest import assert_same_weights, read_scalars, run_killed_after, run_script
 
 SMALL = ["--tiny", "--num-steps", "4", "--problems-per-step", "8", "--group-size", "4", "--eval-every", "2",
          "--eval-limit", "16", "--save-every", "2", "--log-completions-every", "2"]
@@ -41,30 +37,18 @@ def test_grpo_tiny_run_logs_every_metric_and_changes_the_weights(tmp_path, tiny_
     assert max(s["sampling/mismatch_max"].values()) < 1e-3
     assert abs(s["losses/eps_high"][1] - (0.28 + 0.08)) < 1e-6 # k0 = 0.06, tiny entropy is below H* = 0.28: +0.02
     assert 0 < s["train/response_len_mean"][1] < 150
-    before, after = weights(__import__("pathlib").Path(tiny_model)), weights(tmp_path / "checkpoints/e2e/step_4/policy")
+    before, after = weights(Path(tiny_model)), weights(tmp_path / "checkpoints/e2e/step_4/policy")
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) == len(before), "every parameter tensor should have moved"
 
 
 def test_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
     run_script("grpo.py", *SMALL, "--run-name", "straight", cwd=tmp_path)
-    # the same run, killed (SIGKILL) once its step-2 checkpoint exists
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), *SMALL, "--run-name", "killed"], cwd=tmp_path,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    marker = tmp_path / "checkpoints/killed/step_2/trainer_state.pt"
-    deadline = time.time() + 600
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert marker.exists()
-    run_script("grpo.py", *SMALL, "--resume", str(tmp_path / "checkpoints/killed/step_2"), "--run-name", "resumed",
-               cwd=tmp_path)
-    a, b = weights(tmp_path / "checkpoints/straight/step_4/policy"), weights(tmp_path / "checkpoints/resumed/step_4/policy")
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    # the same run, killed (SIGKILL) once its step-2 checkpoint exists, then resumed from it
+    ckpt = tmp_path / "checkpoints/killed/step_2"
+    run_killed_after("grpo.py", [*SMALL, "--run-name", "killed"], ckpt / "trainer_state.pt", tmp_path)
+    run_script("grpo.py", *SMALL, "--resume", str(ckpt), "--run-name", "resumed", cwd=tmp_path)
+    assert_same_weights(tmp_path / "checkpoints/straight/step_4/policy", tmp_path / "checkpoints/resumed/step_4/policy")
     sa, sb = read_scalars(tmp_path / "runs/straight"), read_scalars(tmp_path / "runs/resumed")
     for key in ["train/reward_mean", "losses/policy_loss", "losses/entropy", "losses/eps_high",
                 "charts/decoding_flops", "charts/generated_tokens", "train/response_len_mean"]:
