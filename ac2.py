@@ -257,14 +257,17 @@ class Args:
 
 
 def tiny_args() -> Args:
-    """The built-in task on a 2-core CPU, Table 4 scaled down: budget 200 tokens, chunks of 16, a 256-problem
-    training set so problems come back (readiness is per problem), critic learning rates scaled like the
-    actor's (x50), a short critic instruction, and the tiny verifier as the judge (pass = 7 points).
+    """The built-in task on a 2-core CPU, Table 4 scaled down in proportion: g = 16 and >= 8 valid rewards as in
+    the paper; 16 refills and 16 replay slots per step, a buffer of 24 (256/192 of the refills), a critic FIFO of
+    10 steps' records and 4 steps' worth per update (1,920 and 768 for 192 slots); budget 200 tokens, chunks of
+    16 and a cut grid of 8 (tiny responses are 15-130 tokens); a 128-problem training set so problems come back
+    every 8 steps (readiness is per problem); learning rates x50 (actor and critic alike); the short critic
+    instruction; the tiny verifier as the judge (pass = 7 points). Evaluation samples the policy at T = 1.
     """
     return Args(
         tiny=True, model="tiny", dataset="tiny", eval_dataset="tiny", eval_split="test", prompt_template="{problem}",
-        train_limit=256, num_steps=100, group_size=8, n_refill=24, n_batch=24, buffer_size=32, budget=200,
-        chunk_tokens=16, cut_grid=8, min_valid=4, critic_buffer=640, critic_sample=128,
+        train_limit=128, num_steps=100, group_size=16, n_refill=16, n_batch=16, buffer_size=24, budget=200,
+        chunk_tokens=16, cut_grid=8, min_valid=8, critic_buffer=160, critic_sample=64,
         critic_lr=2 * math.sqrt(2) * 5e-5, critic_lr_floor=5 * math.sqrt(2) * 5e-6, critic_max_grad_norm=1.0,
         short_critic_instruction=True, learning_rate=1e-4, max_grad_norm=1.0, temperature=1.0, save_every=0,
         micro_batch_tokens=16_384, critic_context_extra=256, single_cut_grid=4, stale_size=160,

@@ -37,7 +37,8 @@ from torch.utils.tensorboard import SummaryWriter
 from common import engine
 from common.data import load_rows
 from common.judges import AnswerVerifier, extract_boxed, extract_final_answer
-from common.tiny import TINY_PACK_BUDGET, TINY_PACK_TEMPLATE, tiny_model_path, tiny_reward
+from common.tiny import (TINY_PACK_BUDGET, TINY_PACK_PROBLEM, TINY_PACK_SEPARATOR, TINY_PACK_TEMPLATE,
+                         tiny_model_path, tiny_reward)
 
 PACK_TEMPLATE = (  # spec/ccr.md "Prompt and answer recovery" (project choice)
     "You will be given {n} problems. Solve them in order in a single response. Your whole response, reasoning "
@@ -62,6 +63,8 @@ class Args:
     """seed of the subset, the packs, every sampling request and torch"""
     epochs: int = 3
     """passes over the packed training set (packs are re-drawn every epoch)"""
+    num_steps: int | None = None
+    """stop after this many steps instead (default: all the epochs); schedules still span `epochs`"""
     track: bool = False
     """also log to Weights & Biases"""
     wandb_project: str = "partial-rollouts"
@@ -107,7 +110,11 @@ class Args:
     budget: int = 8000
     """B: the shared completion cap, in tokens (single-problem GRPO used 32k)"""
     pack_template: str = PACK_TEMPLATE
-    """packed user message with {n}, {budget} and {problems} ("Problem k: ..." blocks)"""
+    """packed user message with {n}, {budget} and {problems}"""
+    problem_format: str = "Problem {k}: {problem}"
+    """how each problem is listed in {problems} ({k}: its number)"""
+    problem_separator: str = "\n\n"
+    """what separates the listed problems"""
     single_template: str = SINGLE_TEMPLATE
     """single-problem user message for evaluation, with {problem}"""
     w_acc: float = 1.0
@@ -177,7 +184,8 @@ def tiny_args() -> Args:
         tiny=True, model="tiny", dataset="tiny", problem_field="problem", answer_field="answer",
         difficulty_field="difficulty", subset_size=3072, eval_dataset="tiny", eval_split="test",
         eval_problem_field="problem", eval_answer_field="answer", budget=TINY_PACK_BUDGET,
-        pack_template=TINY_PACK_TEMPLATE, single_template="{problem}", packs_per_step=32, group_size=4,
+        pack_template=TINY_PACK_TEMPLATE, problem_format=TINY_PACK_PROBLEM, problem_separator=TINY_PACK_SEPARATOR,
+        single_template="{problem}", packs_per_step=32, group_size=4,
         temperature=1.0, learning_rate=1e-4, epochs=3, micro_batch_tokens=16_384, save_every=0, eval_every=10,
         eval_samples=4, eval_temperature=1.0, eval_top_p=1.0, eval_top_k=-1, eval_max_tokens=200,
         packed_eval_sizes=(1, 2, 3, 4), log_completions_every=10,
@@ -370,7 +378,8 @@ def main(args: Args) -> dict:
     num_steps = args.epochs * steps_per_epoch
 
     def pack_prompt(problems: list[str]) -> list[int]:
-        listed = "\n\n".join(f"Problem {k}: {q}" for k, q in enumerate(problems, 1))
+        listed = args.problem_separator.join(args.problem_format.format(k=k, problem=q)
+                                             for k, q in enumerate(problems, 1))
         return encode_chat(tok, args.pack_template.format(n=len(problems), budget=args.budget, problems=listed))
 
     eval_prompts = [encode_chat(tok, args.single_template.format(problem=r[args.eval_problem_field])) for r in eval_rows]
@@ -453,7 +462,8 @@ def main(args: Args) -> dict:
     if start_step == 0:
         print(f"step 0 | single-problem eval {last_eval:.3f}")
 
-    for step in range(start_step + 1, num_steps + 1):
+    last_step = min(num_steps, args.num_steps or num_steps)
+    for step in range(start_step + 1, last_step + 1):
         t_step, t0 = time.time(), time.time()
         epoch, index = divmod(step - 1, steps_per_epoch)
         if epoch != packs_epoch:  # a new epoch: new packs
@@ -560,12 +570,12 @@ def main(args: Args) -> dict:
             shown = [f"**R={scored[i][0]:.2f} N_eff={scored[i][3]} truncated={truncated[i]}**\n```\n{texts[i][-2000:]}\n```"
                      for i in range(min(3, n))]
             writer.add_text("samples/completions", "\n\n".join(shown), step)
-        if args.eval_every and (step % args.eval_every == 0 or step == num_steps):
+        if args.eval_every and (step % args.eval_every == 0 or step == last_step):
             last_eval = evaluate(step)
         print(f"step {step}/{num_steps} | R {scalars['train/reward_mean']:.3f} r_acc {scalars['ccr/r_acc']:.3f} | "
               f"N_eff {scalars['ccr/n_eff_mean']:.2f} | truncated {scalars['ccr/truncated_frac']:.2f} | tokens "
               f"{sum(new_tokens)} | eval {last_eval:.3f} | gen {t_generate:.1f}s train {t_train:.1f}s", flush=True)
-        if args.save_every and (step % args.save_every == 0 or step == num_steps):
+        if args.save_every and (step % args.save_every == 0 or step == last_step):
             state = {"run_name": run_name, "packs": packs, "packs_epoch": packs_epoch, "decoding_flops": total_flops,
                      "generated_tokens": total_tokens}
             path = save_checkpoint(Path(args.checkpoint_dir) / run_name, step, model, tok, optimizer, state,

@@ -201,9 +201,9 @@ def tiny_args() -> Args:
     return Args(
         tiny=True, model="tiny", dataset="tiny", eval_dataset="tiny", eval_split="test",
         prompt_template="{problem}", reward="verifier", num_steps=100, problems_per_step=32, group_size=8,
-        max_response_tokens=150, temperature=1.0, learning_rate=1e-4, max_grad_norm=1.0, save_every=0,
+        max_response_tokens=200, temperature=1.0, learning_rate=1e-4, max_grad_norm=1.0, save_every=0,
         micro_batch_tokens=16_384, eval_every=10, eval_samples=4, eval_temperature=1.0, eval_top_p=1.0,
-        eval_top_k=-1, eval_max_tokens=150,
+        eval_top_k=-1, eval_max_tokens=200,
     )
 
 

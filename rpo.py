@@ -58,6 +58,8 @@ class Args:
     """seed of the data order, the truncations, the cache updates, every sampling request and torch"""
     epochs: int = 4
     """passes over the training set (the number of steps follows from the batch size)"""
+    num_steps: int | None = None
+    """stop after this many steps instead (default: all the epochs); schedules still span `epochs`"""
     track: bool = False
     """also log to Weights & Biases"""
     wandb_project: str = "partial-rollouts"
@@ -478,7 +480,8 @@ def main(args: Args) -> dict:
         writer.add_scalar("charts/generated_tokens", total_tokens, 0)
         print(f"step 0 | eval {last_eval:.3f}")
 
-    for step in range(start_step + 1, num_steps + 1):
+    last_step = min(num_steps, args.num_steps or num_steps)
+    for step in range(start_step + 1, last_step + 1):
         t_step, t0 = time.time(), time.time()
         rng = np.random.default_rng([args.seed, step])  # this step's truncations and cache choices
         batch = problems_for_step(len(train_rows), args.problems_per_step, step, args.seed)
@@ -618,12 +621,12 @@ def main(args: Args) -> dict:
                      f"{tok.decode(prefixes[0], skip_special_tokens=True)}|"
                      f"{tok.decode(samples[i][1].token_ids, skip_special_tokens=True)}\n```" for i in range(2)]
             writer.add_text("samples/completions", "\n\n".join(shown), step)
-        if args.eval_every and (step % args.eval_every == 0 or step == num_steps):
+        if args.eval_every and (step % args.eval_every == 0 or step == last_step):
             last_eval = evaluate(step)
         print(f"step {step}/{num_steps} | reward {scalars['train/reward_mean']:.3f} acc {scalars['train/accuracy']:.3f}"
               f" | eval {last_eval:.3f} | new tok/sample {scalars['rpo/new_tokens_per_sample']:.1f} | cache correct "
               f"{scalars['rpo/cache_correct_frac']:.2f} | gen {t_generate:.1f}s train {t_train:.1f}s", flush=True)
-        if args.save_every and (step % args.save_every == 0 or step == num_steps):
+        if args.save_every and (step % args.save_every == 0 or step == last_step):
             state = {"run_name": run_name, "schedule": schedule.state_dict(), "cache": cache,
                      "cache_correct": cache_correct, "previous_shortest": previous_shortest,
                      "decoding_flops": total_flops, "generated_tokens": total_tokens}

@@ -20,11 +20,11 @@ chat template mimics Qwen3-Thinking's (`<|im_start|>`, `<|im_end|>`, `<think>`, 
 tokens). It is warm-started by supervised training on traces in which each running-sum step is wrong
 with probability `error_rate` (off by +-1 or +-10, later steps continuing from the wrong value): the
 policy starts competent but error-prone -- greedy decoding is mostly right, sampling often is not -- and
-RL has room to close that gap. Two other kinds of warm-start batches (see `schedule`) stand in for what a
-real LLM brings before RL: partial traces in AC2's critic prompt, answered with the warm-start
+RL has room to close that gap. Two other kinds of warm-start batches (one in `format_every` each) stand in
+for what a real LLM brings before RL: partial traces in AC2's critic prompt, answered with the warm-start
 policy's own rough chance of success (0 once a line is wrong, else 0.8 per line still to write) -- a prompted
 LLM critic likewise starts roughly right, and AC2 must keep it right as the policy changes; and packed prompts
-of 1-3 problems answered in CCR's format (each problem restated, solved, then its `Answer k: \\boxed{..}`). The build is deterministic given the recipe, takes a few minutes on 2
+of 2-3 problems answered in CCR's format (each problem solved, then its `Answer k: \\boxed{..}` line). The build is deterministic given the recipe, takes a few minutes on 2
 cores, and is cached on disk (``$TINY_RL_CACHE`` or ``~/.cache/tiny-rl``) for every script and test.
 """
 
@@ -53,8 +53,10 @@ CHARS = ["\n", " "] + [chr(c) for c in range(33, 127)]  # every printable ASCII 
 TINY_CRITIC_INSTRUCTION = "Value of this attempt?{reference}"
 TINY_CRITIC_REFERENCE = " Reference:\n{reference_proof}"
 CRITIC_TURN = "<|im_end|>\n<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nQ value: "
-# The tiny packed prompt of ccr.py (the paper's is ~300 characters); answers as in the paper's format.
-TINY_PACK_TEMPLATE = "Solve these {n} in order, {budget} tokens in all.\n\n{problems}"
+# The tiny packed prompt of ccr.py (the paper's is ~300 characters); answers as in the paper's format. The
+# problems follow each other like the terms of one sum, so a tiny model reads them in order, as it reads terms.
+TINY_PACK_TEMPLATE = "Solve each in order, {budget} tokens in all: {problems}"
+TINY_PACK_PROBLEM, TINY_PACK_SEPARATOR = "{problem}", ";"
 TINY_PACK_BUDGET = 192  # fits about two of the tiny problems (restated, solved, answered)
 VALUE_STRINGS = ["0", "0.1", "0.2", "0.3", "0.4", "0.5", "0.6", "0.7", "0.8", "0.9", "1"]
 # Qwen3-Thinking-2507's template, reduced to what we use: the generation prompt opens the thinking section.
@@ -79,14 +81,14 @@ class TinyRecipe:
     max_position_embeddings: int = 2048
     error_rate: float = 0.2  # per running-sum step, in the warm-start traces
     check_rate: float = 0.5  # warm-start traces that copy their sums again after "check:" (verbosity)
-    schedule: str = "solve critic solve packed"  # warm-start batch kinds, in a cycle
-    format_batch: int = 24  # examples per critic / packed batch (they are 2-4x longer)
+    format_every: int = 8  # every N-th warm-start batch teaches AC2's critic format, another one CCR's packs
+    format_batch: int = 32  # examples per format batch (they are 2-5x longer)
     sft_steps: int = 1600
     sft_batch: int = 64
     sft_lr: float = 3e-3
     sft_warmup: int = 50
     seed: int = 0
-    version: int = 4  # bump when the task or the build changes
+    version: int = 5  # bump when the task or the build changes
 
 
 RECIPE = TinyRecipe()
@@ -122,20 +124,19 @@ def tiny_solution(numbers: list[int], rng: random.Random | None = None, error_ra
 
 def tiny_packed_solution(packed: list[list[int]], rng: random.Random | None = None, error_rate: float = 0.0,
                          checks: list[bool] | None = None) -> str:
-    """The response to a packed prompt (ccr.py): for each problem, its statement restated (so a tiny model
-    need not count problems in the prompt), its running sums, then its `Answer k: \\boxed{..}` line; all
-    inside the thinking section, which closes after the last answer."""
+    """The response to a packed prompt (ccr.py): for each problem its running sums, then its
+    `Answer k: \\boxed{..}` line, all inside the thinking section, which closes after the last answer."""
     lines = []
     for k, numbers in enumerate(packed, 1):
         steps, total = _running_sums(numbers, rng, error_rate)
         steps += ["check:"] + steps if checks and checks[k - 1] else []
-        lines += [f"Problem {k}: Add: " + "+".join(map(str, numbers))] + steps + [f"Answer {k}: \\boxed{{{total}}}"]
+        lines += steps + [f"Answer {k}: \\boxed{{{total}}}"]
     return "\n".join(lines) + "\n</think>"
 
 
 def tiny_pack_prompt(problems: list[str], budget: int = TINY_PACK_BUDGET) -> str:
     """The tiny packed prompt (ccr.py --tiny's --pack-template), problems in the given order."""
-    listed = "\n\n".join(f"Problem {k}: {q}" for k, q in enumerate(problems, 1))
+    listed = TINY_PACK_SEPARATOR.join(TINY_PACK_PROBLEM.format(k=k, problem=q) for k, q in enumerate(problems, 1))
     return TINY_PACK_TEMPLATE.format(n=len(problems), budget=budget, problems=listed)
 
 
@@ -270,7 +271,7 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> list[float]:
     def example(kind: str) -> tuple[list[int], int]:
         """(token ids, length of the context that gets no loss)."""
         if kind == "packed":
-            pack = [draw() for _ in range(rng.choice([1, 2, 3]))]
+            pack = [draw() for _ in range(rng.choice([2, 3]))]
             context = chat(tiny_pack_prompt([p["problem"] for p, _ in pack]))
             checks = [rng.random() < recipe.check_rate for _ in pack]
             response = tiny_packed_solution([nums for _, nums in pack], rng, recipe.error_rate, checks)
@@ -313,8 +314,7 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> list[float]:
     losses = []
     for step in range(recipe.sft_steps):
         # the longer format examples come in batches of their own, to keep padding low
-        kinds = recipe.schedule.split()
-        kind = kinds[step % len(kinds)]
+        kind = {1: "critic", recipe.format_every // 2 + 1: "packed"}.get(step % recipe.format_every, "solve")
         batch = [example(kind) for _ in range(recipe.sft_batch if kind == "solve" else recipe.format_batch)]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((len(batch), width), tokenizer.pad_token_id)

@@ -1,0 +1,41 @@
+"""ccr.py end to end on the tiny task with the real vLLM engine, and resume equivalence after a kill."""
+
+import math
+
+from conftest import assert_same_weights, read_scalars, run_killed_after, run_script
+
+# 96 problems -> 32 packs of 3 per epoch, 8 packs per step, 2 epochs = 8 steps
+SMALL = ["--tiny", "--subset-size", "96", "--packs-per-step", "8", "--epochs", "2", "--eval-every", "4",
+         "--eval-limit", "24", "--save-every", "4", "--packed-eval-sizes", "1", "3", "--log-completions-every", "4"]
+
+
+def test_ccr_truncated_completions_keep_partial_credit(tmp_path):
+    run_script("ccr.py", *SMALL, "--run-name", "e2e", cwd=tmp_path)
+    s = read_scalars(tmp_path / "runs/e2e")
+    for key in ["charts/decoding_flops", "charts/generated_tokens", "train/reward_mean", "losses/policy_loss",
+                "losses/clipfrac", "losses/approx_kl", "sampling/mismatch_kl", "ccr/tokens_per_step", "ccr/r_acc",
+                "ccr/r_fmt", "ccr/n_eff_mean", "ccr/truncated_frac", "ccr/completion_len_mean"]:
+        assert sorted(s[key]) == list(range(1, 9)), key
+        assert all(math.isfinite(v) for v in s[key].values()), key
+    assert sorted(s["eval/mean_score"]) == [0, 4, 8] and "eval/packed_r_acc_n3" in s
+    # the cap really truncates, and truncated completions still earn accuracy reward
+    assert max(s["ccr/truncated_frac"].values()) > 0.2
+    assert max(s["ccr/truncated_rewarded_frac"].values()) > 0
+    assert all(v <= 192 for v in s["ccr/completion_len_mean"].values())
+    # tokens per step vs the same 8 x 3 problems solved one at a time (4 samples each) by grpo.py in its
+    # single-problem window: the held-out single-problem response length at step 0 stands in for it
+    single_problem_tokens = 8 * 3 * 4 * s["eval/tokens_per_problem"][0]
+    ccr_tokens = sum(s["ccr/tokens_per_step"].values()) / 8
+    assert ccr_tokens < 0.8 * single_problem_tokens, (ccr_tokens, single_problem_tokens)
+    assert max(s["sampling/mismatch_kl"].values()) < 1e-4
+
+
+def test_ccr_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
+    run_script("ccr.py", *SMALL, "--run-name", "straight", cwd=tmp_path)
+    ckpt = tmp_path / "checkpoints/killed/step_4"
+    run_killed_after("ccr.py", [*SMALL, "--run-name", "killed"], ckpt / "trainer_state.pt", tmp_path)
+    run_script("ccr.py", *SMALL, "--resume", str(ckpt), "--run-name", "resumed", cwd=tmp_path)
+    assert_same_weights(tmp_path / "checkpoints/straight/step_8/policy", tmp_path / "checkpoints/resumed/step_8/policy")
+    sa, sb = read_scalars(tmp_path / "runs/straight"), read_scalars(tmp_path / "runs/resumed")
+    for key in ["train/reward_mean", "losses/policy_loss", "ccr/tokens_per_step", "ccr/r_acc", "charts/decoding_flops"]:
+        assert [sb[key][k] for k in range(5, 9)] == [sa[key][k] for k in range(5, 9)], key

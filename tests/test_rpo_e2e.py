@@ -1,0 +1,55 @@
+"""rpo.py end to end on the tiny task with the real vLLM engine, and resume equivalence after a kill."""
+
+import math
+
+import torch
+
+from conftest import assert_same_weights, read_scalars, run_killed_after, run_script
+
+# 64 problems, 16 per step, 2 epochs = 8 steps
+SMALL = ["--tiny", "--train-limit", "64", "--problems-per-step", "16", "--epochs", "2", "--eval-every", "4",
+         "--eval-limit", "32", "--save-every", "4", "--log-completions-every", "4"]
+
+
+def test_rpo_decodes_only_short_tails_and_the_cache_moves(tmp_path):
+    run_script("rpo.py", *SMALL, "--run-name", "e2e", cwd=tmp_path)
+    s = read_scalars(tmp_path / "runs/e2e")
+    for key in ["charts/decoding_flops", "charts/generated_tokens", "train/reward_mean", "losses/policy_loss",
+                "losses/clipfrac", "losses/approx_kl", "losses/entropy", "sampling/mismatch_kl", "time/generate",
+                "rpo/new_tokens_per_sample", "rpo/m_mean", "rpo/L_mean", "rpo/cache_correct_frac",
+                "rpo/cache_len_mean", "rpo/reward_before_shaping", "rpo/reward_after_shaping"]:
+        assert sorted(s[key]) == list(range(1, 9)), key
+        assert all(math.isfinite(v) for v in s[key].values()), key
+    # the cache initialisation decodes one full answer per problem before step 1, and is counted
+    assert s["charts/generated_tokens"][0] > 64 * 15 and s["charts/decoding_flops"][0] > 0
+    # a full answer of this policy (the held-out responses at step 0) vs RPO's new tokens per sample
+    full = s["eval/response_len_mean"][0]
+    new = sum(s["rpo/new_tokens_per_sample"].values()) / 8
+    assert new < 0.5 * full, (new, full)
+    assert all(s["rpo/m_mean"][k] <= s["rpo/L_mean"][k] for k in s["rpo/m_mean"])
+    assert max(s["sampling/mismatch_kl"].values()) < 1e-4
+    # shaping: correct answers earn 0.5..1, wrong ones 0, so the shaped mean is at most the accuracy
+    for k in s["rpo/reward_after_shaping"]:
+        acc, shaped = s["rpo/reward_before_shaping"][k], s["rpo/reward_after_shaping"][k]
+        assert 0.5 * acc - 1e-6 <= shaped <= acc + 1e-6
+    a = torch.load(tmp_path / "checkpoints/e2e/step_4/trainer_state.pt", weights_only=False)
+    b = torch.load(tmp_path / "checkpoints/e2e/step_8/trainer_state.pt", weights_only=False)
+    assert len(a["cache"]) == len(b["cache"]) == 64
+    changed = sum(a["cache"][p] != b["cache"][p] for p in a["cache"])
+    assert changed >= 32, changed  # steps 5-8 revisit every problem and replace its entry
+    assert set(b["previous_shortest"]) == set(range(64))
+
+
+def test_rpo_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
+    run_script("rpo.py", *SMALL, "--run-name", "straight", cwd=tmp_path)
+    ckpt = tmp_path / "checkpoints/killed/step_4"
+    run_killed_after("rpo.py", [*SMALL, "--run-name", "killed"], ckpt / "trainer_state.pt", tmp_path)
+    run_script("rpo.py", *SMALL, "--resume", str(ckpt), "--run-name", "resumed", cwd=tmp_path)
+    assert_same_weights(tmp_path / "checkpoints/straight/step_8/policy", tmp_path / "checkpoints/resumed/step_8/policy")
+    a = torch.load(tmp_path / "checkpoints/straight/step_8/trainer_state.pt", weights_only=False)
+    b = torch.load(tmp_path / "checkpoints/resumed/step_8/trainer_state.pt", weights_only=False)
+    assert a["cache"] == b["cache"] and a["previous_shortest"] == b["previous_shortest"]
+    sa, sb = read_scalars(tmp_path / "runs/straight"), read_scalars(tmp_path / "runs/resumed")
+    for key in ["train/reward_mean", "losses/policy_loss", "rpo/new_tokens_per_sample", "rpo/m_mean",
+                "charts/decoding_flops", "charts/learning_rate"]:
+        assert [sb[key][k] for k in range(5, 9)] == [sa[key][k] for k in range(5, 9)], key
