@@ -1,7 +1,9 @@
 """GRPO, AC2, Prefix GRPO, RPO and CCR side by side on the tiny task, on one axis: decoding FLOPs (AC2 Eq. 6).
 
-    python benchmarks/compare.py                      # 5 methods x 3 seeds x 40 steps on a 2-core CPU
+    python benchmarks/compare.py                      # 5 methods x 3 seeds x 30 steps, ~50 min on 2 cores
     python benchmarks/compare.py --steps 20 --seeds 1 # a quick look
+    python benchmarks/compare.py --methods GRPO "AC2 (tau 0.5)" --seeds 1 --out benchmarks/results/compare_ac2_loose
+                                                      # diagnostic: AC2 with its readiness thresholds loosened
 
 Every run is the script's own `--tiny` configuration with the same model, data, held-out set and evaluation
 sampler (256 problems x 4 samples at T = 1, max 200 tokens), the same number of training steps and the
@@ -12,6 +14,7 @@ score_vs_steps.png, table.md and summary.json; existing runs are reused unless -
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -27,9 +30,13 @@ METHODS = {  # name -> (script, extra flags)
     "RPO": ("rpo.py", []),
     "CCR": ("ccr.py", []),
 }
+DIAGNOSTICS = {  # not part of the default comparison: AC2 with both readiness thresholds loosened to 0.5, to
+    # show what the ready path does on the tiny task, where the paper's thresholds never open (README, Findings)
+    "AC2 (tau 0.5)": ("ac2.py", ["--tau-global", "0.5", "--tau-local", "0.5"]),
+}
 TOKENS_PER_SAMPLE = {  # the key each script logs for new tokens per sampled continuation
     "GRPO": "train/response_len_mean", "AC2": "ac2/new_tokens_per_sample",
-    "Prefix GRPO": "ac2/new_tokens_per_sample", "RPO": "rpo/new_tokens_per_sample", "CCR": "ccr/completion_len_mean",
+    "Prefix GRPO": "ac2/new_tokens_per_sample", "AC2 (tau 0.5)": "ac2/new_tokens_per_sample", "RPO": "rpo/new_tokens_per_sample", "CCR": "ccr/completion_len_mean",
 }
 PAPERS = {  # the papers' own headline numbers, where a comparable quantity exists
     "AC2": "2.5x fewer decoding FLOPs to GRPO's peak (0.79e20 vs 1.99e20)",
@@ -48,8 +55,8 @@ def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def run(method: str, seed: int, steps: int, fresh: bool) -> Path:
-    script, extra = METHODS[method]
-    name = f"cmp_{method.lower().replace(' ', '_')}_s{seed}_n{steps}"
+    script, extra = {**METHODS, **DIAGNOSTICS}[method]
+    name = f"cmp_{re.sub('[^a-z0-9]+', '_', method.lower()).strip('_')}_s{seed}_n{steps}"
     run_dir = ROOT / "runs" / name
     if run_dir.exists() and not fresh and (ROOT / "runs" / name / ".done").exists():
         return run_dir
@@ -64,9 +71,9 @@ def run(method: str, seed: int, steps: int, fresh: bool) -> Path:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=[*METHODS, *DIAGNOSTICS])
     ap.add_argument("--fresh", action="store_true", help="re-run even if a finished run exists")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare"))
     a = ap.parse_args()
@@ -96,7 +103,7 @@ def main():
             "seconds_per_step": float(np.mean([np.mean(list(r["charts/step_time"].values())) for r in runs])),
             "phase_seconds_per_step": phases,
         }
-        if m == "AC2":
+        if m.startswith("AC2"):
             summary[m]["ready_frac_final"] = float(np.mean([r["ac2/ready_frac"][max(r["ac2/ready_frac"])]
                                                              for r in runs if "ac2/ready_frac" in r] or [0.0]))
             summary[m]["consumed_rows_per_step_last10"] = float(np.mean([
@@ -147,7 +154,7 @@ def main():
         lines.append(f"| {m} | {s['generated_tokens_per_step']:,.0f} | {s['new_tokens_per_sample']:.1f} | "
                      f"{s['start_score']:.3f} -> {s['peak_score']:.3f} | {fmt(s.get('flops_to_grpo_peak'))} | "
                      f"{fmt(s.get('flops_ratio_vs_grpo'), '{:.2f}x')} | {s['seconds_per_step']:.2f} ({phase}) | "
-                     f"{PAPERS.get(m, 'the baseline')} |")
+                     f"{PAPERS.get(m, 'the baseline' if m == 'GRPO' else '-')} |")
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     (out / "summary.json").write_text(json.dumps({"steps": a.steps, "seeds": a.seeds, "methods": summary,
