@@ -2,8 +2,6 @@
 
     python benchmarks/compare.py                      # 5 methods x 3 seeds x 30 steps, ~50 min on 2 cores
     python benchmarks/compare.py --steps 20 --seeds 1 # a quick look
-    python benchmarks/compare.py --methods GRPO "AC2 (tau 0.5)" --seeds 1 --out benchmarks/results/compare_ac2_loose
-                                                      # diagnostic: AC2 with its readiness thresholds loosened
 
 Every run is the script's own `--tiny` configuration with the same model, data, held-out set and evaluation
 sampler (256 problems x 4 samples at T = 1, max 200 tokens), the same number of training steps and the
@@ -30,13 +28,9 @@ METHODS = {  # name -> (script, extra flags)
     "RPO": ("rpo.py", []),
     "CCR": ("ccr.py", []),
 }
-DIAGNOSTICS = {  # not part of the default comparison: AC2 with both readiness thresholds loosened to 0.5, to
-    # show what the ready path does on the tiny task, where the paper's thresholds never open (README, Findings)
-    "AC2 (tau 0.5)": ("ac2.py", ["--tau-global", "0.5", "--tau-local", "0.5"]),
-}
 TOKENS_PER_SAMPLE = {  # the key each script logs for new tokens per sampled continuation
     "GRPO": "train/response_len_mean", "AC2": "ac2/new_tokens_per_sample",
-    "Prefix GRPO": "ac2/new_tokens_per_sample", "AC2 (tau 0.5)": "ac2/new_tokens_per_sample", "RPO": "rpo/new_tokens_per_sample", "CCR": "ccr/completion_len_mean",
+    "Prefix GRPO": "ac2/new_tokens_per_sample", "RPO": "rpo/new_tokens_per_sample", "CCR": "ccr/completion_len_mean",
 }
 PAPERS = {  # the papers' own headline numbers, where a comparable quantity exists
     "AC2": "2.5x fewer decoding FLOPs to GRPO's peak (0.79e20 vs 1.99e20)",
@@ -55,7 +49,7 @@ def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def run(method: str, seed: int, steps: int, fresh: bool) -> Path:
-    script, extra = {**METHODS, **DIAGNOSTICS}[method]
+    script, extra = METHODS[method]
     name = f"cmp_{re.sub('[^a-z0-9]+', '_', method.lower()).strip('_')}_s{seed}_n{steps}"
     run_dir = ROOT / "runs" / name
     if run_dir.exists() and not fresh and (ROOT / "runs" / name / ".done").exists():
@@ -73,7 +67,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=[*METHODS, *DIAGNOSTICS])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--fresh", action="store_true", help="re-run even if a finished run exists")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare"))
     a = ap.parse_args()
