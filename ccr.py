@@ -572,7 +572,7 @@ def main(args: Args) -> dict:
             writer.add_text("samples/completions", "\n\n".join(shown), step)
         if args.eval_every and (step % args.eval_every == 0 or step == last_step):
             last_eval = evaluate(step)
-        print(f"step {step}/{num_steps} | R {scalars['train/reward_mean']:.3f} r_acc {scalars['ccr/r_acc']:.3f} | "
+        print(f"step {step}/{last_step} | R {scalars['train/reward_mean']:.3f} r_acc {scalars['ccr/r_acc']:.3f} | "
               f"N_eff {scalars['ccr/n_eff_mean']:.2f} | truncated {scalars['ccr/truncated_frac']:.2f} | tokens "
               f"{sum(new_tokens)} | eval {last_eval:.3f} | gen {t_generate:.1f}s train {t_train:.1f}s", flush=True)
         if args.save_every and (step % args.save_every == 0 or step == last_step):

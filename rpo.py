@@ -623,7 +623,7 @@ def main(args: Args) -> dict:
             writer.add_text("samples/completions", "\n\n".join(shown), step)
         if args.eval_every and (step % args.eval_every == 0 or step == last_step):
             last_eval = evaluate(step)
-        print(f"step {step}/{num_steps} | reward {scalars['train/reward_mean']:.3f} acc {scalars['train/accuracy']:.3f}"
+        print(f"step {step}/{last_step} | reward {scalars['train/reward_mean']:.3f} acc {scalars['train/accuracy']:.3f}"
               f" | eval {last_eval:.3f} | new tok/sample {scalars['rpo/new_tokens_per_sample']:.1f} | cache correct "
               f"{scalars['rpo/cache_correct_frac']:.2f} | gen {t_generate:.1f}s train {t_train:.1f}s", flush=True)
         if args.save_every and (step % args.save_every == 0 or step == last_step):

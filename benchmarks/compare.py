@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tblog import read_scalars  # benchmarks/ is on sys.path when these run as scripts
+
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = {  # name -> (script, extra flags)
     "GRPO": ("grpo.py", []),
@@ -38,14 +40,6 @@ PAPERS = {  # the papers' own headline numbers, where a comparable quantity exis
     "RPO": "new tokens per sample ~5% of GRPO's (146 vs 2,690, L = 300)",
     "CCR": "-82.1% tokens per step vs GRPO with a 32k window (174,957 vs 975,464)",
 }
-
-
-def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
 def run(method: str, seed: int, steps: int, fresh: bool) -> Path:

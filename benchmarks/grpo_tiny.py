@@ -13,15 +13,9 @@ import sys
 import time
 from pathlib import Path
 
+from tblog import read_scalars  # benchmarks/ is on sys.path when these run as scripts
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
 def main():

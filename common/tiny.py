@@ -24,8 +24,8 @@ RL has room to close that gap. Two other kinds of warm-start batches (one in `fo
 for what a real LLM brings before RL: partial traces in AC2's critic prompt, answered with the warm-start
 policy's own rough chance of success (0 once a line is wrong, else 0.8 per line still to write) -- a prompted
 LLM critic likewise starts roughly right, and AC2 must keep it right as the policy changes; and packed prompts
-of 2-3 problems answered in CCR's format (each problem solved, then its `Answer k: \\boxed{..}` line). The build is deterministic given the recipe, takes a few minutes on 2
-cores, and is cached on disk (``$TINY_RL_CACHE`` or ``~/.cache/tiny-rl``) for every script and test.
+of 2-3 problems answered in CCR's format (each problem solved, then its `Answer k: \\boxed{..}` line). The build is deterministic given the recipe, takes about 14 minutes on
+2 cores, and is cached on disk (``$TINY_RL_CACHE`` or ``~/.cache/tiny-rl``) for every script and test.
 """
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ CHARS = ["\n", " "] + [chr(c) for c in range(33, 127)]  # every printable ASCII 
 TINY_CRITIC_INSTRUCTION = "Value of this attempt?{reference}"
 TINY_CRITIC_REFERENCE = " Reference:\n{reference_proof}"
 CRITIC_TURN = "<|im_end|>\n<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nQ value: "
-# The tiny packed prompt of ccr.py (the paper's is ~300 characters); answers as in the paper's format. The
-# problems follow each other like the terms of one sum, so a tiny model reads them in order, as it reads terms.
+# The tiny packed prompt of ccr.py (the paper's is ~300 characters); answers as in the paper's format. (The
+# tiny model still cannot solve packed problems in this or any other layout tried: README, Findings 2.)
 TINY_PACK_TEMPLATE = "Solve each in order, {budget} tokens in all: {problems}"
 TINY_PACK_PROBLEM, TINY_PACK_SEPARATOR = "{problem}", ";"
-TINY_PACK_BUDGET = 192  # fits about two of the tiny problems (restated, solved, answered)
+TINY_PACK_BUDGET = 192  # fits about two of the tiny problems (solved, with their check: lines, and answered)
 VALUE_STRINGS = ["0", "0.1", "0.2", "0.3", "0.4", "0.5", "0.6", "0.7", "0.8", "0.9", "1"]
 # Qwen3-Thinking-2507's template, reduced to what we use: the generation prompt opens the thinking section.
 CHAT_TEMPLATE = (

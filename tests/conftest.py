@@ -77,3 +77,20 @@ def assert_same_weights(a_dir: Path, b_dir: Path) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def run_straight_and_resumed(script: str, args: list[str], kill_after: int, last: int, tmp_path: Path):
+    """The resume contract: a run straight to step `last`, and the same run SIGKILLed once its step
+    `kill_after` checkpoint exists, then resumed from it. Asserts the final weights are bit-identical and
+    returns the two runs' final trainer states and logged scalars, (straight, resumed), for script-specific checks."""
+    import torch
+
+    run_script(script, *args, "--run-name", "straight", cwd=tmp_path)
+    ckpt = tmp_path / f"checkpoints/killed/step_{kill_after}"
+    run_killed_after(script, [*args, "--run-name", "killed"], ckpt / "trainer_state.pt", tmp_path)
+    run_script(script, *args, "--resume", str(ckpt), "--run-name", "resumed", cwd=tmp_path)
+    final = {name: tmp_path / f"checkpoints/{name}/step_{last}" for name in ("straight", "resumed")}
+    assert_same_weights(final["straight"] / "policy", final["resumed"] / "policy")
+    states = [torch.load(final[n] / "trainer_state.pt", weights_only=False) for n in ("straight", "resumed")]
+    scalars = [read_scalars(tmp_path / f"runs/{n}") for n in ("straight", "resumed")]
+    return (states[0], scalars[0]), (states[1], scalars[1])

@@ -9,7 +9,7 @@ run loosens both thresholds to 0.5 through their flags; everything else is the -
 
 import math
 
-from conftest import assert_same_weights, read_scalars, run_killed_after, run_script
+from conftest import read_scalars, run_script, run_straight_and_resumed
 
 STEPS = 20
 LONG = ["--tiny", "--num-steps", str(STEPS), "--tau-global", "0.5", "--tau-local", "0.5", "--eval-every", "0", "--log-completions-every", "10"]
@@ -49,18 +49,9 @@ SMALL = ["--tiny", "--num-steps", "4", "--n-batch", "8", "--n-refill", "8", "--e
 
 
 def test_ac2_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
-    run_script("ac2.py", *SMALL, "--run-name", "straight", cwd=tmp_path)
-    ckpt = tmp_path / "checkpoints/killed/step_2"
-    run_killed_after("ac2.py", [*SMALL, "--run-name", "killed"], ckpt / "trainer_state.pt", tmp_path)
-    run_script("ac2.py", *SMALL, "--resume", str(ckpt), "--run-name", "resumed", cwd=tmp_path)
-    assert_same_weights(tmp_path / "checkpoints/straight/step_4/policy", tmp_path / "checkpoints/resumed/step_4/policy")
-    import torch
-
-    a = torch.load(tmp_path / "checkpoints/straight/step_4/trainer_state.pt", weights_only=False)
-    b = torch.load(tmp_path / "checkpoints/resumed/step_4/trainer_state.pt", weights_only=False)
+    (a, sa), (b, sb) = run_straight_and_resumed("ac2.py", SMALL, 2, 4, tmp_path)
     for key in ("buffer", "readiness", "bank", "critic_fifo", "critic_lr", "ladder_streak", "entropy_k"):
         assert a[key] == b[key], key
-    sa, sb = read_scalars(tmp_path / "runs/straight"), read_scalars(tmp_path / "runs/resumed")
     for key in ["train/reward_mean", "losses/policy_loss", "ac2/critic_loss", "ac2/probe_mae", "ac2/eps_high",
                 "charts/decoding_flops"]:
         for step in (3, 4):

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_same_weights, read_scalars, run_killed_after, run_script
+from conftest import read_scalars, run_script, run_straight_and_resumed
 
 SMALL = ["--tiny", "--num-steps", "4", "--problems-per-step", "8", "--group-size", "4", "--eval-every", "2",
          "--eval-limit", "16", "--save-every", "2", "--log-completions-every", "2"]
@@ -43,13 +43,8 @@ def test_grpo_tiny_run_logs_every_metric_and_changes_the_weights(tmp_path, tiny_
 
 
 def test_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
-    run_script("grpo.py", *SMALL, "--run-name", "straight", cwd=tmp_path)
     # the same run, killed (SIGKILL) once its step-2 checkpoint exists, then resumed from it
-    ckpt = tmp_path / "checkpoints/killed/step_2"
-    run_killed_after("grpo.py", [*SMALL, "--run-name", "killed"], ckpt / "trainer_state.pt", tmp_path)
-    run_script("grpo.py", *SMALL, "--resume", str(ckpt), "--run-name", "resumed", cwd=tmp_path)
-    assert_same_weights(tmp_path / "checkpoints/straight/step_4/policy", tmp_path / "checkpoints/resumed/step_4/policy")
-    sa, sb = read_scalars(tmp_path / "runs/straight"), read_scalars(tmp_path / "runs/resumed")
+    (_, sa), (_, sb) = run_straight_and_resumed("grpo.py", SMALL, 2, 4, tmp_path)
     for key in ["train/reward_mean", "losses/policy_loss", "losses/entropy", "losses/eps_high",
                 "charts/decoding_flops", "charts/generated_tokens", "train/response_len_mean"]:
         assert sorted(sb[key]) == [3, 4], key

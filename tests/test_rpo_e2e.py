@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from conftest import assert_same_weights, read_scalars, run_killed_after, run_script
+from conftest import read_scalars, run_script, run_straight_and_resumed
 
 # 64 problems, 16 per step, 2 epochs = 8 steps
 SMALL = ["--tiny", "--train-limit", "64", "--problems-per-step", "16", "--epochs", "2", "--eval-every", "4",
@@ -44,15 +44,8 @@ def test_rpo_decodes_only_short_tails_and_the_cache_moves(tmp_path):
 
 
 def test_rpo_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
-    run_script("rpo.py", *SMALL, "--run-name", "straight", cwd=tmp_path)
-    ckpt = tmp_path / "checkpoints/killed/step_4"
-    run_killed_after("rpo.py", [*SMALL, "--run-name", "killed"], ckpt / "trainer_state.pt", tmp_path)
-    run_script("rpo.py", *SMALL, "--resume", str(ckpt), "--run-name", "resumed", cwd=tmp_path)
-    assert_same_weights(tmp_path / "checkpoints/straight/step_8/policy", tmp_path / "checkpoints/resumed/step_8/policy")
-    a = torch.load(tmp_path / "checkpoints/straight/step_8/trainer_state.pt", weights_only=False)
-    b = torch.load(tmp_path / "checkpoints/resumed/step_8/trainer_state.pt", weights_only=False)
+    (a, sa), (b, sb) = run_straight_and_resumed("rpo.py", SMALL, 4, 8, tmp_path)
     assert a["cache"] == b["cache"] and a["previous_shortest"] == b["previous_shortest"]
-    sa, sb = read_scalars(tmp_path / "runs/straight"), read_scalars(tmp_path / "runs/resumed")
     for key in ["train/reward_mean", "losses/policy_loss", "rpo/new_tokens_per_sample", "rpo/m_mean",
                 "charts/decoding_flops", "charts/learning_rate"]:
         assert [sb[key][k] for k in range(5, 9)] == [sa[key][k] for k in range(5, 9)], key
