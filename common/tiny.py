@@ -20,12 +20,16 @@ chat template mimics Qwen3-Thinking's (`<|im_start|>`, `<|im_end|>`, `<think>`, 
 tokens). It is warm-started by supervised training on traces in which each running-sum step is wrong
 with probability `error_rate` (off by +-1 or +-10, later steps continuing from the wrong value): the
 policy starts competent but error-prone -- greedy decoding is mostly right, sampling often is not -- and
-RL has room to close that gap. Two other kinds of warm-start batches (one in `format_every` each) stand in
-for what a real LLM brings before RL: partial traces in AC2's critic prompt, answered with the warm-start
+RL has room to close that gap. Two other kinds of warm-start batches stand in for what a real LLM brings
+before RL: partial traces in AC2's critic prompt (one batch in `format_every`), answered with the warm-start
 policy's own rough chance of success (0 once a line is wrong, else 0.8 per line still to write) -- a prompted
 LLM critic likewise starts roughly right, and AC2 must keep it right as the policy changes; and packed prompts
-of 2-3 problems answered in CCR's format (each problem solved, then its `Answer k: \\boxed{..}` line). The build is deterministic given the recipe, takes about 14 minutes on
-2 cores, and is cached on disk (``$TINY_RL_CACHE`` or ``~/.cache/tiny-rl``) for every script and test.
+of 1-3 problems answered in CCR's format (each problem solved, then its `Answer k: \\boxed{..}` line), three
+batches in every `format_every`. So many because a packed problem's terms sit wherever the problems before
+it end: with packs one batch in eight (recipe v5) the model learned to find a term by its place in the
+prompt, which packing moves, and solved no packed problem at all (README, Findings 2). The build is
+deterministic given the recipe, takes about 20 minutes on 2 cores, and is cached on disk
+(``$TINY_RL_CACHE`` or ``~/.cache/tiny-rl``) for every script and test.
 """
 
 from __future__ import annotations
@@ -53,8 +57,7 @@ CHARS = ["\n", " "] + [chr(c) for c in range(33, 127)]  # every printable ASCII 
 TINY_CRITIC_INSTRUCTION = "Value of this attempt?{reference}"
 TINY_CRITIC_REFERENCE = " Reference:\n{reference_proof}"
 CRITIC_TURN = "<|im_end|>\n<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nQ value: "
-# The tiny packed prompt of ccr.py (the paper's is ~300 characters); answers as in the paper's format. (The
-# tiny model still cannot solve packed problems in this or any other layout tried: README, Findings 2.)
+# The tiny packed prompt of ccr.py (the paper's is ~300 characters); answers as in the paper's format.
 TINY_PACK_TEMPLATE = "Solve each in order, {budget} tokens in all: {problems}"
 TINY_PACK_PROBLEM, TINY_PACK_SEPARATOR = "{problem}", ";"
 TINY_PACK_BUDGET = 192  # fits about two of the tiny problems (solved, with their check: lines, and answered)
@@ -81,14 +84,15 @@ class TinyRecipe:
     max_position_embeddings: int = 2048
     error_rate: float = 0.2  # per running-sum step, in the warm-start traces
     check_rate: float = 0.5  # warm-start traces that copy their sums again after "check:" (verbosity)
-    format_every: int = 8  # every N-th warm-start batch teaches AC2's critic format, another one CCR's packs
+    format_every: int = 8  # every N-th warm-start batch teaches AC2's critic format
+    packed_per_cycle: int = 3  # and this many in every `format_every` teach CCR's packs of 1-3 problems
     format_batch: int = 32  # examples per format batch (they are 2-5x longer)
-    sft_steps: int = 1600
+    sft_steps: int = 2000
     sft_batch: int = 64
     sft_lr: float = 3e-3
     sft_warmup: int = 50
     seed: int = 0
-    version: int = 5  # bump when the task or the build changes
+    version: int = 7  # bump when the task or the build changes
 
 
 RECIPE = TinyRecipe()
@@ -271,7 +275,7 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> list[float]:
     def example(kind: str) -> tuple[list[int], int]:
         """(token ids, length of the context that gets no loss)."""
         if kind == "packed":
-            pack = [draw() for _ in range(rng.choice([2, 3]))]
+            pack = [draw() for _ in range(rng.choice([1, 2, 3]))]
             context = chat(tiny_pack_prompt([p["problem"] for p, _ in pack]))
             checks = [rng.random() < recipe.check_rate for _ in pack]
             response = tiny_packed_solution([nums for _, nums in pack], rng, recipe.error_rate, checks)
@@ -314,7 +318,8 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> list[float]:
     losses = []
     for step in range(recipe.sft_steps):
         # the longer format examples come in batches of their own, to keep padding low
-        kind = {1: "critic", recipe.format_every // 2 + 1: "packed"}.get(step % recipe.format_every, "solve")
+        phase = step % recipe.format_every
+        kind = "critic" if phase == 1 else "packed" if phase % 2 and phase // 2 <= recipe.packed_per_cycle else "solve"
         batch = [example(kind) for _ in range(recipe.sft_batch if kind == "solve" else recipe.format_batch)]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((len(batch), width), tokenizer.pad_token_id)

@@ -18,19 +18,22 @@ def test_ccr_truncated_completions_keep_partial_credit(tmp_path):
         assert sorted(s[key]) == list(range(1, 9)), key
         assert all(math.isfinite(v) for v in s[key].values()), key
     assert sorted(s["eval/mean_score"]) == [0, 4, 8] and "eval/packed_r_acc_n3" in s
-    # the cap really truncates, and truncated completions stay in the batch with their partial reward. (The
-    # tiny model cannot yet solve packed problems -- r_acc stays near 0, see README "Findings" -- so the
-    # partial *accuracy* credit of a truncated completion is asserted on hand-built texts in test_ccr_unit.)
+    # the cap really truncates, and truncated completions stay in the batch with their partial reward, and
+    # many of them still earn accuracy credit for the answers they completed before the cap (measured a step:
+    # 38-84% of completions truncated, 28-83% of those rewarded, r_acc 0.13-0.27)
     assert max(s["ccr/truncated_frac"].values()) > 0.2
-    assert "ccr/truncated_rewarded_frac" in s and max(s["ccr/r_fmt"].values()) > 0
+    assert all(v > 0 for v in s["ccr/truncated_rewarded_frac"].values())
+    assert sum(s["ccr/truncated_rewarded_frac"].values()) / 8 > 0.2
+    assert sum(s["ccr/r_acc"].values()) / 8 > 0.1 and max(s["ccr/r_fmt"].values()) > 0
     assert all(v <= 192 for v in s["ccr/completion_len_mean"].values())
     # tokens per step vs the same 8 x 3 problems solved one at a time (4 samples each) by grpo.py in its
     # single-problem window: the held-out single-problem response length at step 0 stands in for it
     single_problem_tokens = 8 * 3 * 4 * s["eval/tokens_per_problem"][0]
     ccr_tokens = sum(s["ccr/tokens_per_step"].values()) / 8
     # tiny answers are short and never fill a single-problem window, so the saving is only what the cap cuts
-    # (0.86x when measured), far from the paper's -82% against 32k windows that long answers fill
-    assert ccr_tokens < 0.95 * single_problem_tokens, (ccr_tokens, single_problem_tokens)
+    # from the third problem (0.93x when measured), far from the paper's -82% against 32k windows that long
+    # answers fill
+    assert ccr_tokens < single_problem_tokens, (ccr_tokens, single_problem_tokens)
     assert max(s["sampling/mismatch_kl"].values()) < 1e-4
 
 
