@@ -1,4 +1,4 @@
-"""Why the tiny task is hard for AC2's critic and for CCR's packs: two measurements on the warm-started model.
+"""What the warm-started tiny model brings to AC2's critic and to CCR's packs: two measurements.
 
     python benchmarks/tiny_diagnostics.py [--problems 256] [--packs 64]
 
