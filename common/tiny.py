@@ -318,8 +318,9 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> list[float]:
     losses = []
     for step in range(recipe.sft_steps):
         # the longer format examples come in batches of their own, to keep padding low
-        phase = step % recipe.format_every
-        kind = "critic" if phase == 1 else "packed" if phase % 2 and phase // 2 <= recipe.packed_per_cycle else "solve"
+        phase = step % recipe.format_every  # of 8: 1 critic; 3, 5, 7 packed, between the solve batches
+        packed_phases = range(3, 3 + 2 * recipe.packed_per_cycle, 2)
+        kind = "critic" if phase == 1 else "packed" if phase in packed_phases else "solve"
         batch = [example(kind) for _ in range(recipe.sft_batch if kind == "solve" else recipe.format_batch)]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((len(batch), width), tokenizer.pad_token_id)

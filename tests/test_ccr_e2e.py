@@ -31,8 +31,8 @@ def test_ccr_truncated_completions_keep_partial_credit(tmp_path):
     single_problem_tokens = 8 * 3 * 4 * s["eval/tokens_per_problem"][0]
     ccr_tokens = sum(s["ccr/tokens_per_step"].values()) / 8
     # tiny answers are short and never fill a single-problem window, so the saving is only what the cap cuts
-    # from the third problem (0.93x when measured), far from the paper's -82% against 32k windows that long
-    # answers fill
+    # (check: lines and the third problem; 0.93x when measured), far from the paper's -82% against 32k windows
+    # that long answers fill
     assert ccr_tokens < single_problem_tokens, (ccr_tokens, single_problem_tokens)
     assert max(s["sampling/mismatch_kl"].values()) < 1e-4
 
