@@ -23,10 +23,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import os
 import random
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -39,10 +37,10 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
-from common import engine
+from common import dist, engine
 from common.data import load_rows
 from common.judges import Judge, JudgeConfig, extract_final_answer, extract_proof
-from common.tiny import TINY_CRITIC_INSTRUCTION, TINY_CRITIC_REFERENCE, tiny_model_path, tiny_reward
+from common.tiny import TINY_CRITIC_INSTRUCTION, TINY_CRITIC_REFERENCE, resolve_model, tiny_reward
 
 ACTOR_PROMPT = (  # Appendix C (spec/ac2.md "Actor prompt")
     "Consider the following mathematical problem:\n{problem}\n\nSolve the problem. Write a complete "
@@ -122,14 +120,16 @@ class Args:
     """environment variable holding the judge's API key (never logged)"""
     judge_max_concurrency: int = 64
     """judge requests in flight at once"""
-    judge_timeout_s: float = 600.0
-    """per-request timeout of the judge, seconds"""
+    judge_timeout_s: float = 1800.0
+    """per-request timeout of the judge, seconds (the released client's: 40k-token gradings take minutes)"""
     judge_max_retries: int = 4
     """retries of a failed judge request (timeouts, 5xx, 408, 429; never other 4xx)"""
     judge_temperature: float = 1.0
     """judge sampling temperature"""
     judge_max_tokens: int = 40_000
     """judge max_tokens"""
+    judge_max_invalid_steps: int = 3
+    """stop (with a checkpoint) after this many consecutive steps in which over half of the judge calls failed"""
     pass_points: int = 6
     """judge points (of 7) for a pass: reference bank, correct-only buffer, a trajectory's own reference"""
 
@@ -150,8 +150,9 @@ class Args:
     """prefix cuts are multiples of this many tokens"""
     cut_max_frac: float = 0.9
     """cuts are drawn uniformly from the grid points in [0, cut_max_frac * L]"""
-    audit_frac: float = 0.25
-    """alpha: ceil(alpha * ready slots) ready slots get full rollouts (audits); 0 = the no-audit variant"""
+    audit_frac: float | None = None
+    """alpha: ceil(alpha * ready slots) ready slots get full rollouts (audits); 0 = the no-audit variant.
+    Default 0.25, or 0 with --group-size-one (the paper's "w/o Group & Audit" variant is that one switch)"""
     temperature: float = 0.8
     """rollout temperature (old log-probabilities use logits / temperature too)"""
     top_p: float = 1.0
@@ -217,7 +218,8 @@ class Args:
     prefix_grpo: bool = False
     """Prefix GRPO baseline: same buffer and prefixes, always full continuations and terminal rewards, no critic"""
     group_size_one: bool = False
-    """ready problems: g distinct prefixes with one chunk each, A = v - V(s), critic target from the single endpoint"""
+    """the paper's "w/o Group & Audit" variant: ready problems get g distinct prefixes with one chunk each,
+    A = v - V(s), critic target from the single endpoint, and no audits (unless --audit-frac is given)"""
     single_cut_grid: int = 1000
     """cut grid of the group-size-one variant"""
     buffer_admit: Literal["all", "correct"] = "all"
@@ -225,7 +227,7 @@ class Args:
     stale_every: int = 0
     """stale-buffer variant: every N steps replace the whole buffer by `stale_size` fresh rollouts (0: off)"""
     stale_size: int = 1920
-    """fresh rollouts per refresh in the stale-buffer variant"""
+    """fresh rollouts per refresh in the stale-buffer variant; they are the whole buffer until the next refresh"""
 
     # --- efficiency ---
     micro_batch_tokens: int = 65_536
@@ -236,6 +238,12 @@ class Args:
     """recompute decoder activations in the backward pass (GPU only)"""
     gpu_memory_utilization: float = 0.4
     """share of GPU memory vLLM may take (it sleeps while the trainer works)"""
+    vllm_sleep_level: int = 2
+    """vLLM sleep level while the trainer works: 2 drops the engine's weights (the sync rewrites them), 1 keeps
+    them in CPU memory"""
+    offload_optimizer: bool = False
+    """keep the actor's AdamW state (8 bytes per parameter) in CPU memory except during its steps, as the critic's
+    always is (GPU; see the README's memory plan for when this makes a model fit)"""
     critic_context_extra: int = 16_384
     """engine context beyond prompt + budget, for the critic instruction and reference (longer = overflow)"""
 
@@ -367,6 +375,28 @@ class ReadinessTracker:
         self.ready, self.nonzero, self.all_ready = set(s["ready"]), set(s["nonzero"]), s["all_ready"]
 
 
+def audit_fraction(args: Args) -> float:
+    """alpha: --audit-frac when given, else 0.25 -- or 0 with --group-size-one ("w/o Group & Audit", Section 4.3)."""
+    if args.audit_frac is not None:
+        return args.audit_frac
+    return 0.0 if args.group_size_one else 0.25
+
+
+def buffer_capacity(args: Args) -> int:
+    """The replay buffer's FIFO capacity: --buffer-size, or in the stale-buffer variant every rollout of a refresh
+    (the paper's 1,920 fresh rollouts *are* the buffer until the next refresh)."""
+    return args.stale_size if args.stale_every else args.buffer_size
+
+
+def draw_fresh(n_rows: int, n: int, rng: np.random.Generator) -> list[int]:
+    """n fresh problems, without replacement within the step (spec/ac2.md step 1); a request for more than the
+    data set holds (a stale-buffer refresh on a small set) takes further passes, each a new permutation."""
+    out: list[int] = []
+    while len(out) < n:
+        out += rng.choice(n_rows, size=min(n - len(out), n_rows), replace=False).tolist()
+    return out
+
+
 def route_slots(ready: list[bool], audit_frac: float, rng: np.random.Generator) -> list[str]:
     """Unready -> full; ready -> short, except ceil(alpha * n_ready_slots) ready slots at random -> audit."""
     ready_idx = [i for i, r in enumerate(ready) if r]
@@ -414,8 +444,20 @@ def replace_invalid_values(values: list[float | None], valid: list[bool]) -> tup
     return [fill if v is None else v for v in values], [0.0 if v is None else 1.0 for v in values]
 
 
+def ladder_ratio(d_critic: float | None, d_actor: list[float]) -> float | None:
+    """rho = ||d_critic|| / (||d_ppo1|| + ||d_ppo2||) (Appendix C). None when there was no critic step (no
+    records); inf when the critic step was skipped as non-finite (d_critic = inf): the released code counts
+    such a step as one over the threshold."""
+    if d_critic is None:
+        return None
+    if math.isinf(d_critic):
+        return math.inf
+    return d_critic / sum(d_actor) if sum(d_actor) > 0 else None
+
+
 def critic_ladder(lr: float, streak: int, rho: float | None, args: Args) -> tuple[float, int]:
-    """Two consecutive steps with rho > sqrt(2) halve the next critic LR, down to the floor (Appendix C)."""
+    """Two consecutive steps with rho > sqrt(2) halve the next critic LR, down to the floor (Appendix C); a
+    skipped non-finite critic step arrives as rho = inf and counts; no critic step (None) breaks the streak."""
     streak = streak + 1 if rho is not None and rho > args.critic_lr_rho else 0
     if streak >= 2:
         return max(lr / 2, args.critic_lr_floor), 0
@@ -440,6 +482,20 @@ def select_critic_rows(records: list[dict], order: list[int], bank: dict, sample
             rows += [(rec, r, w) for r, w in variants]
             used += 1
     return rows, used
+
+
+def judge_failure_streak(calls: list[tuple[str | None, str | None]], streak: int) -> tuple[int, str | None]:
+    """A step in which more than half of the judge calls failed extends the streak and explains itself (the
+    causes, most frequent first, with one server message each); any other step ends the streak. Failed calls
+    are invalid zeros, kept in the PPO update (step 5), so a dead judge would train the policy on noise: the
+    caller stops the run when the streak gets long."""
+    failed = [(e, d) for e, d in calls if e is not None]
+    if not calls or 2 * len(failed) <= len(calls):
+        return 0, None
+    causes = collections.Counter(e for e, _ in failed)
+    detail = {e: d for e, d in reversed(failed)}  # the first message of each cause
+    listed = "; ".join(f"{e} x{k}" + (f" ({detail[e]})" if detail[e] else "") for e, k in causes.most_common())
+    return streak + 1, f"{len(failed)} of {len(calls)} judge calls failed: {listed}"
 
 
 def update_entropy_offset(k: float, mean_entropy: float, args: Args) -> float:
@@ -504,10 +560,22 @@ def _chunk_logprobs(hidden, targets, weight, bias, temperature: float, with_entr
     return logp, entropy
 
 
+def final_hidden_states(model, input_ids):
+    """The decoder's output (after the final norm), computed by the model's own forward -- so that a sharded
+    trainer's hooks gather the weights -- with the vocabulary logits of only the last position."""
+    out = {}
+    hook = model.get_decoder().norm.register_forward_hook(lambda module, args, output: out.setdefault("h", output))
+    try:
+        model(input_ids=input_ids, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return out["h"]
+
+
 def sequence_logprobs(model, input_ids, starts, lengths, temperature: float, chunk: int, with_entropy=False):
     """Log-probs (and entropies) of input_ids[b, starts[b] : starts[b] + lengths[b]], LM head in checkpointed
     chunks so no [tokens x vocab] tensor is kept. Flat over the selected tokens, in batch order."""
-    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state
+    hidden = final_hidden_states(model, input_ids)
     rows = torch.cat([torch.full((n,), b, dtype=torch.long) for b, n in enumerate(lengths)]).to(input_ids.device)
     cols = torch.cat([torch.arange(s - 1, s - 1 + n) for s, n in zip(starts, lengths)]).to(input_ids.device)
     h, targets = hidden[rows, cols], input_ids[rows, cols + 1]
@@ -556,41 +624,15 @@ def autocast(device):
 
 
 def snapshot(model) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
+    """A CPU copy of this process's weights (its shards under FSDP): never a second full copy on the GPU."""
+    return [dist.local(p).detach().to("cpu", copy=True) for p in model.parameters()]
 
 
 def displacement(model, before: list[torch.Tensor]) -> float:
-    """L2 norm of the parameter change since `before` (for the critic LR ladder)."""
-    return math.sqrt(sum(float((p.detach() - b).float().pow(2).sum()) for p, b in zip(model.parameters(), before)))
-
-
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizers: dict, state: dict, keep: int) -> Path:
-    """Written aside, then renamed: a kill mid-save never spoils the last good checkpoint."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    final, tmp = run_dir / f"step_{step}", run_dir / f".step_{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "policy")
-    tokenizer.save_pretrained(tmp / "policy")
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    torch.save({"step": step, "rng": rng, "optimizers": {k: o.state_dict() for k, o in optimizers.items()}, **state},
-               tmp / "trainer_state.pt")
-    if final.exists():
-        os.replace(final, run_dir / f".step_{step}.old")
-    os.replace(tmp, final)
-    shutil.rmtree(run_dir / f".step_{step}.old", ignore_errors=True)
-    for old in sorted(run_dir.glob("step_*"), key=lambda p: int(p.name[5:]))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def find_checkpoint(path: str) -> Path:
-    p = Path(path)
-    if (p / "trainer_state.pt").exists():
-        return p
-    steps = sorted((d for d in p.glob("step_*") if (d / "trainer_state.pt").exists()), key=lambda d: int(d.name[5:]))
-    if not steps:
-        raise SystemExit(f"--resume {path!r}: no checkpoint there (expected trainer_state.pt or step_<N> folders).")
-    return steps[-1]
+    """L2 norm of the parameter change since `before` (for the critic LR ladder), one parameter at a time."""
+    local = sum(float((dist.local(p).detach() - b.to(dist.local(p).device)).float().pow(2).sum())
+                for p, b in zip(model.parameters(), before))
+    return math.sqrt(dist.sum_all(local))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -629,35 +671,52 @@ def main(args: Args) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
 
-    resume_dir = find_checkpoint(args.resume) if args.resume else None
-    ckpt = torch.load(resume_dir / "trainer_state.pt", weights_only=False) if resume_dir else None
+    # one process per GPU under torchrun, each holding all of the algorithm's state (common/dist.py)
+    rank, world, device = dist.init()
+    master = rank == 0
+    resume_dir = dist.find_checkpoint(args.resume) if args.resume else None
+    ckpt = dist.read_state(resume_dir) if resume_dir else None
     run_name = args.run_name or (ckpt["run_name"] if ckpt else f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_name = dist.from_rank0(run_name)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny_task = args.dataset == "tiny"
 
     # --- data, models, engine, judge (fail fast, one sentence) ---
     train_rows = load_rows(args.dataset, args.dataset_split, [args.problem_field], args.train_limit)
     eval_fields = [args.problem_field] + ([] if args.eval_dataset == "tiny" else [args.eval_solution_field])
     eval_rows = load_rows(args.eval_dataset, args.eval_split, eval_fields, args.eval_limit) if args.eval_every else []
-    model_path = tiny_model_path() if args.model == "tiny" else args.model
+    judge = None  # checked with one real grading request before any model is loaded
+    if not tiny_task:
+        judge = Judge(JudgeConfig(args.judge_base_url, args.judge_model, args.judge_api_key_env,
+                                  args.judge_max_concurrency, args.judge_timeout_s, args.judge_max_retries,
+                                  temperature=args.judge_temperature, max_tokens=args.judge_max_tokens))
+        if master:
+            print(f"checking the judge {args.judge_model} at {args.judge_base_url} with one real grading request...",
+                  flush=True)
+        if (err := judge.check()) is not None:
+            raise SystemExit(f"the judge {args.judge_model} at {args.judge_base_url} failed a grading request with "
+                             f"the run's settings (max_tokens {args.judge_max_tokens}, temperature "
+                             f"{args.judge_temperature}): {err}")
+    model_path = resolve_model(args.model)
     try:
         config = AutoConfig.from_pretrained(model_path)
         tok = AutoTokenizer.from_pretrained(model_path)
     except Exception as e:
         raise SystemExit(f"could not load model {args.model!r}: {str(e).splitlines()[0][:300]}") from None
     model = AutoModelForCausalLM.from_pretrained(resume_dir / "policy" if resume_dir else model_path,
-                                                 dtype=torch.float32).to(device)
+                                                 dtype=torch.float32)  # fp32 master weights
     if device.type == "cuda" and args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    # one set of weights, two optimizers with their own state (Section 3.3)
+    model = dist.shard(model, device)  # FSDP2 under a process group (common/dist.py)
+    # one set of weights, two optimizers with their own state (Section 3.3); the critic's state spends all but its
+    # one step per training step in CPU memory, the actor's too with --offload-optimizer (fused: no temporary)
     actor_opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.999), eps=1e-8)
+                                  betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
     critic_opt = torch.optim.AdamW(model.parameters(), lr=args.critic_lr, weight_decay=0.0, betas=(0.9, 0.999),
-                                   eps=1e-8)
+                                   eps=1e-8, fused=device.type == "cuda")
     prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in train_rows]
     eval_prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in eval_rows]
     max_len = max(map(len, prompts + eval_prompts)) + max(args.budget, args.eval_max_tokens) + args.critic_context_extra
@@ -665,13 +724,6 @@ def main(args: Args) -> dict:
     llm = engine.create_engine(model_path, max_model_len=max_len, seed=args.seed,
                                gpu_memory_utilization=args.gpu_memory_utilization)
     flops_A, flops_B = engine.decoding_flops_coefficients(config)
-    judge = None
-    if not tiny_task:
-        judge = Judge(JudgeConfig(args.judge_base_url, args.judge_model, args.judge_api_key_env,
-                                  args.judge_max_concurrency, args.judge_timeout_s, args.judge_max_retries,
-                                  temperature=args.judge_temperature, max_tokens=args.judge_max_tokens))
-        if (err := judge.check()) is not None:
-            raise SystemExit(f"the judge at {args.judge_base_url} ({args.judge_model}) is unreachable: {err}")
 
     def find_proof(text: str) -> str | None:
         """The proof a judge grades; on the tiny task the whole trace, once its answer is boxed after </think>."""
@@ -679,47 +731,52 @@ def main(args: Args) -> dict:
             return text.strip() if extract_final_answer(text) is not None else None
         return extract_proof(text)
 
-    def judge_texts(texts: list[str], rows: list[dict], validation=False) -> list[tuple[int | None, bool]]:
-        """(points or None, valid) per text. No proof: 0 points, no call, valid (spec/ac2.md step 5)."""
+    def judge_texts(texts: list[str], rows: list[dict], validation=False):
+        """([(points or None, valid)] per text, [(error, detail)] per judge call). No proof: 0 points, no call,
+        valid (spec/ac2.md step 5). Training uses the 7/6/1/0 grader, validation the 0-7 one with references."""
         if tiny_task and (not validation or args.eval_dataset == "tiny"):
-            return [(7 * int(tiny_reward(t, r["answer"])), True) for t, r in zip(texts, rows)]
+            return [(7 * int(tiny_reward(t, r["answer"])), True) for t, r in zip(texts, rows)], []
         proofs = [find_proof(t) for t in texts]
         todo = [i for i, p in enumerate(proofs) if p is not None]
         res = judge.grade([rows[i][args.problem_field] for i in todo], [proofs[i] for i in todo],
                           [rows[i].get(args.eval_solution_field) for i in todo] if validation else None,
-                          [rows[i].get(args.eval_guidelines_field) for i in todo] if validation else None)
+                          [rows[i].get(args.eval_guidelines_field) for i in todo] if validation else None,
+                          validation=validation)
         out = [(0, True)] * len(texts)
         for i, r in zip(todo, res):
             out[i] = (r.points, r.valid)
-        return out
+        return out, [(r.error, r.detail) for r in res]
 
     # --- all state a checkpoint carries ---
-    buffer: collections.deque[Trajectory] = collections.deque(maxlen=args.buffer_size)
+    buffer: collections.deque[Trajectory] = collections.deque(maxlen=buffer_capacity(args))
     tracker = ReadinessTracker(args.window, args.tau_global, args.tau_local, local=args.readiness == "local")
     bank: dict[int, str] = {}  # problem -> reference proof (add-once)
     critic_fifo: collections.deque[dict] = collections.deque(maxlen=args.critic_buffer)
     critic_lr, ladder_streak, k_entropy = args.critic_lr, 0, args.entropy_k_init
     start_step, total_flops, total_tokens = 0, 0, 0
+    judge_streak = 0  # consecutive steps in which over half of the judge calls failed (not checkpointed)
     if ckpt:
-        actor_opt.load_state_dict(ckpt["optimizers"]["actor"])
-        critic_opt.load_state_dict(ckpt["optimizers"]["critic"])
+        dist.load_checkpoint(resume_dir, model, {"actor": actor_opt, "critic": critic_opt})
         buffer.extend(Trajectory(**t) for t in ckpt["buffer"])
         tracker.load(ckpt["readiness"])
         bank, critic_fifo = ckpt["bank"], collections.deque(ckpt["critic_fifo"], maxlen=args.critic_buffer)
         critic_lr, ladder_streak, k_entropy = ckpt["critic_lr"], ckpt["ladder_streak"], ckpt["entropy_k"]
         start_step, total_flops, total_tokens = ckpt["step"], ckpt["decoding_flops"], ckpt["generated_tokens"]
-        random.setstate(ckpt["rng"]["python"])
-        np.random.set_state(ckpt["rng"]["numpy"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        print(f"resumed from {resume_dir} at step {start_step}")
+        if master:
+            print(f"resumed from {resume_dir} at step {start_step}")
+    dist.offload_state(critic_opt, "cpu")
+    if args.offload_optimizer:
+        dist.offload_state(actor_opt, "cpu")
     engine.sync_weights(llm, model)  # the engine serves exactly the trainer's (possibly resumed) weights
 
-    writer = SummaryWriter(f"runs/{run_name}")
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v!r}|" for k, v in vars(args).items()))
-    if args.track:
-        import wandb
+    writer = SummaryWriter(f"runs/{run_name}") if master else None  # rank 0 logs
+    if master:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v!r}|" for k, v in vars(args).items()))
+        if args.track:
+            import wandb
 
-        wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
+            wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
 
     def evaluate(step: int) -> float:
         t0 = time.time()
@@ -728,37 +785,50 @@ def main(args: Args) -> dict:
                                  seed=request_seed(args.seed, -1, i)) for i in range(len(eval_prompts))]
         groups = engine.generate(llm, eval_prompts, params)
         texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
-        scored = judge_texts(texts, [r for r in eval_rows for _ in range(args.eval_samples)], validation=True)
+        scored, _ = judge_texts(texts, [r for r in eval_rows for _ in range(args.eval_samples)], validation=True)
         score = float(np.mean([(p or 0) / 7 for p, _ in scored]))
-        writer.add_scalar("eval/mean_score", score, step)
-        writer.add_scalar("eval/pass_rate", float(np.mean([(p or 0) >= args.pass_points for p, _ in scored])), step)
-        writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])), step)
-        writer.add_scalar("time/eval", time.time() - t0, step)
+        if master:
+            writer.add_scalar("eval/mean_score", score, step)
+            writer.add_scalar("eval/pass_rate", float(np.mean([(p or 0) >= args.pass_points for p, _ in scored])),
+                              step)
+            writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])),
+                              step)
+            writer.add_scalar("time/eval", time.time() - t0, step)
         return score
 
+    def save(at_step: int, flops: int, tokens: int) -> Path:
+        """A checkpoint of everything the run carries, as of the end of step `at_step`."""
+        state = {"run_name": run_name, "buffer": [dataclasses.asdict(t) for t in buffer],
+                 "readiness": tracker.state(), "bank": bank, "critic_fifo": list(critic_fifo),
+                 "critic_lr": critic_lr, "ladder_streak": ladder_streak, "entropy_k": k_entropy,
+                 "decoding_flops": flops, "generated_tokens": tokens}
+        return dist.save_checkpoint(Path(args.checkpoint_dir) / run_name, at_step, model, tok,
+                                    {"actor": actor_opt, "critic": critic_opt}, state, args.keep_checkpoints)
+
     last_eval = evaluate(0) if args.eval_every and start_step == 0 else float("nan")
-    if start_step == 0:
+    if start_step == 0 and master:
         print(f"step 0 | eval {last_eval:.3f}")
 
     for step in range(start_step + 1, args.num_steps + 1):
         t_step, t0 = time.time(), time.time()
+        counters_at_start = total_flops, total_tokens
         rng = np.random.default_rng([args.seed, step])  # every random choice of this step, resumable
 
         # 1. Batch: fresh refill problems (one rollout each) and replay slots cut from the buffer
         refresh = args.stale_every == 0 or (step - 1) % args.stale_every == 0
         n_fresh = (args.n_refill if args.stale_every == 0 else args.stale_size) if refresh else 0
         cold = not buffer
-        fresh = rng.choice(len(train_rows), size=min(len(train_rows), n_fresh + (args.n_batch if cold else 0)),
-                           replace=False).tolist()
+        fresh = draw_fresh(len(train_rows), n_fresh + (args.n_batch if cold else 0), rng)
         groups = [Group(p, [], "refill", max_tokens=args.budget) for p in fresh[:n_fresh]]
         if cold:  # buffer empty: fresh problems, empty prefixes, full groups trained like GRPO, no critic targets
             groups += [Group(p, [], "cold", max_tokens=args.budget) for p in fresh[n_fresh:]]
         else:
             sources = fill_slots(list(buffer), args.n_batch, rng)
             ready = [not args.prefix_grpo and tracker.is_ready(t.problem) for t in sources]
-            writer.add_scalar("ac2/ready_frac", float(np.mean(ready)), step)
+            if master:
+                writer.add_scalar("ac2/ready_frac", float(np.mean(ready)), step)
             # 2. Route: unready -> full, ready -> short chunk, ceil(alpha * n_ready) ready slots -> audit
-            for t, lane in zip(sources, route_slots(ready, args.audit_frac, rng)):
+            for t, lane in zip(sources, route_slots(ready, audit_fraction(args), rng)):
                 if lane == "short" and args.group_size_one:  # g distinct prefixes (if possible), one chunk each
                     grid = list(range(0, int(args.cut_max_frac * len(t.tokens)) + 1, args.single_cut_grid))
                     cuts = rng.choice(grid, size=args.group_size, replace=len(grid) < args.group_size)
@@ -819,14 +889,22 @@ def main(args: Args) -> dict:
                 probe_noref[gi] = (value, overflow)
             else:
                 critic_values[(gi, ri)] = None if overflow else value  # an overflowing context is invalid
-        engine.sleep(llm)
+        engine.sleep(llm, args.vllm_sleep_level)
         t_critic = time.time() - t0
 
         # 5. Judge every non-consumed row: points/7; no proof -> 0 and valid; failures -> 0 and invalid
         t0 = time.time()
         to_judge = [(gi, ri) for gi, g in enumerate(groups) for ri in range(len(g.rows)) if not g.consumed[ri]]
-        judged = judge_texts([texts[k] for k in to_judge], [train_rows[groups[gi].problem] for gi, _ in to_judge])
+        judged, calls = judge_texts([texts[k] for k in to_judge], [train_rows[groups[gi].problem] for gi, _ in to_judge])
         verdicts = dict(zip(to_judge, judged))
+        judge_streak, warning = judge_failure_streak(calls, judge_streak)
+        if warning and master:
+            print(f"warning: step {step}: {warning}", flush=True)
+        if judge_streak >= args.judge_max_invalid_steps:  # never train on a dead judge's zeros
+            path = save(step - 1, *counters_at_start)  # nothing else has changed yet this step
+            raise SystemExit(f"stopped: more than half of the judge's calls failed in {judge_streak} consecutive "
+                             f"steps (last: {warning}). The state before step {step} is saved in {path}; fix the "
+                             f"judge, then continue with --resume {path}")
         # 6. Endpoint values v_i; invalid critic values -> the group's valid mean, zero actor-loss weight
         for gi, g in enumerate(groups):
             raw, g.valid, g.points = [], [], []
@@ -897,7 +975,8 @@ def main(args: Args) -> dict:
                 if c.token_ids:
                     train_rows_list.append((g, ri, g.values[ri] - (base or 0.0), g.weights[ri]))
 
-        # 10a. Old log-probs (trainer, logits / T) for trained rows; entropy over empty-prefix rows (Eq. 9)
+        # 10a. Old log-probs (trainer, logits / T) for trained rows; entropy over empty-prefix rows (Eq. 9). Each
+        #      process does the rows it trains (all of them with one process; row i: rank i % world under torchrun)
         t0 = time.time()
         # refill rows go through this pass for their entropy only
         all_rows = [(g, ri) for g, ri, _, _ in train_rows_list]
@@ -905,22 +984,28 @@ def main(args: Args) -> dict:
         seqs = [prompts[g.problem] + g.prefix + g.rows[ri].token_ids for g, ri in all_rows]
         starts = [len(prompts[g.problem]) + len(g.prefix) for g, ri in all_rows]
         n_new = [len(g.rows[ri].token_ids) for g, ri in all_rows]
-        old_lp, ent = [None] * len(all_rows), [None] * len(all_rows)
+        old_lp, ent = {}, {}
         model.eval()
         with torch.no_grad(), autocast(device):
-            for mb in make_micro_batches(list(range(len(all_rows))), [len(s) for s in seqs], args.micro_batch_tokens):
+            for mb in dist.even(make_micro_batches(dist.mine(range(len(all_rows))), [len(s) for s in seqs],
+                                                   args.micro_batch_tokens)):
+                if not mb:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
+                    dist.idle_pass(model)
+                    continue
                 ids = pad_batch([seqs[i] for i in mb], tok.pad_token_id, device)
                 lp, en = sequence_logprobs(model, ids, [starts[i] for i in mb], [n_new[i] for i in mb],
                                            args.temperature, args.logprob_chunk_tokens, with_entropy=True)
                 for j, a, b in zip(mb, lp.split([n_new[i] for i in mb]), en.split([n_new[i] for i in mb])):
                     old_lp[j], ent[j] = a, b
         n_train = len(train_rows_list)
-        empty_prefix_ent = [e for (g, _), e in zip(all_rows, ent) if not g.prefix]  # refill, cold, cut at 0
-        mean_entropy = float(torch.cat(empty_prefix_ent).mean()) if empty_prefix_ent else args.entropy_target
+        empty_prefix_ent = [e for j, e in sorted(ent.items()) if not all_rows[j][0].prefix]  # refill, cold, cut at 0
+        mean_entropy = dist.mean_all(torch.cat(empty_prefix_ent or [torch.zeros(0)]).float().cpu(),
+                                     default=args.entropy_target)
         k_entropy = update_entropy_offset(k_entropy, mean_entropy, args)  # once per step, before the update
         clip_high = args.clip_high + k_entropy
-        vllm_lp = torch.tensor([x for g, ri in all_rows[:n_train] for x in g.rows[ri].logprobs])
-        log_ratio = torch.cat(old_lp[:n_train]).cpu() - vllm_lp if n_train else torch.zeros(0)
+        mine = [j for j in sorted(old_lp) if j < n_train]
+        vllm_lp = torch.tensor([x for j in mine for x in all_rows[j][0].rows[all_rows[j][1]].logprobs])
+        log_ratio = torch.cat([old_lp[j] for j in mine] or [torch.zeros(0)]).float().cpu() - vllm_lp
 
         # 10b. Critic rows: up to critic_sample records from a random permutation of the FIFO, skipping
         #      overflow; a record with a reference (its own, else the bank's current one) gives two rows at 1/2
@@ -943,8 +1028,11 @@ def main(args: Args) -> dict:
                 group_["lr"] = critic_lr
             critic_opt.zero_grad(set_to_none=True)
             total = 0.0
-            for micro in make_micro_batches(list(range(len(critic_rows))), [len(r[0]) for r in critic_rows],
-                                            args.micro_batch_tokens):
+            for micro in dist.even(make_micro_batches(dist.mine(range(len(critic_rows))),
+                                                      [len(r[0]) for r in critic_rows], args.micro_batch_tokens)):
+                if not micro:
+                    dist.idle_pass(model)
+                    continue
                 ids = pad_batch([critic_rows[i][0] for i in micro], tok.pad_token_id, device)
                 with autocast(device):
                     lp, _ = sequence_logprobs(model, ids, [critic_rows[i][1] for i in micro],
@@ -953,17 +1041,18 @@ def main(args: Args) -> dict:
                 loss = -(lp * w).sum() / n_records
                 loss.backward()
                 total += float(loss.detach())
+            total = dist.sum_all(total)  # each rank summed its own rows
             before = snapshot(model)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.critic_max_grad_norm)
-            if not (math.isfinite(total) and torch.isfinite(grad_norm)):  # skip a non-finite step
-                return total, None
-            critic_opt.step()
+            grad_norm = dist.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.critic_max_grad_norm))
+            if not (math.isfinite(total) and torch.isfinite(grad_norm)):  # skip a non-finite step; the ladder
+                return total, math.inf  # counts it as a step over the threshold (released code)
+            dist.step(critic_opt, device, offload=True)  # its state visits the GPU for this step only
             return total, displacement(model, before)
 
         # 10c. Actor minibatch 1 -> one critic step -> actor minibatch 2 (shared weights, separate AdamW)
         model.train()
-        stats = collections.defaultdict(float)
-        d_actor, critic_loss, d_critic = [], float("nan"), None
+        stats = {"policy_loss": 0.0, "clipfrac": 0.0, "clipfrac_dual": 0.0, "approx_kl": 0.0}
+        d_actor, grad_norms, critic_loss, d_critic = [], [], float("nan"), None
         n_tok = sum(n_new[:n_train])
         for m in range(args.num_minibatches):
             if m == 1:
@@ -975,7 +1064,10 @@ def main(args: Args) -> dict:
                 continue
             denom = sum(n_new[i] for i in mb)  # token mean over each minibatch
             actor_opt.zero_grad(set_to_none=True)
-            for micro in make_micro_batches(mb, [len(s) for s in seqs], args.micro_batch_tokens):
+            for micro in dist.even(make_micro_batches(dist.mine(mb), [len(s) for s in seqs], args.micro_batch_tokens)):
+                if not micro:
+                    dist.idle_pass(model)
+                    continue
                 ids = pad_batch([seqs[i] for i in micro], tok.pad_token_id, device)
                 with autocast(device):
                     lp, _ = sequence_logprobs(model, ids, [starts[i] for i in micro], [n_new[i] for i in micro],
@@ -989,15 +1081,17 @@ def main(args: Args) -> dict:
                 for key, val in st.items():
                     stats[key] += float(val.detach().float().sum()) / max(n_tok, 1)
             before = snapshot(model)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norm = dist.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
             if torch.isfinite(grad_norm):
-                actor_opt.step()
-            stats["grad_norm"] += float(grad_norm) / args.num_minibatches
+                dist.step(actor_opt, device, args.offload_optimizer)
+            grad_norms.append(float(grad_norm))
             d_actor.append(displacement(model, before))
         if args.num_minibatches == 1:
             critic_loss, d_critic = critic_step()
+        model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
+        stats = {k: dist.sum_all(v) for k, v in stats.items()}  # each rank summed its own rows
         # the learning-rate ladder: rho = ||d_critic|| / (||d_ppo1|| + ||d_ppo2||)
-        rho = d_critic / sum(d_actor) if d_critic is not None and sum(d_actor) > 0 else None
+        rho = ladder_ratio(d_critic, d_actor)
         critic_lr, ladder_streak = critic_ladder(critic_lr, ladder_streak, rho, args)
         t_train = time.time() - t0
 
@@ -1005,7 +1099,7 @@ def main(args: Args) -> dict:
         t0 = time.time()
         engine.wake_up(llm, model)
         t_sync = time.time() - t0
-        judged_rewards = [(p or 0) / 7 for p, ok in judged]
+        judged_rewards = [(p or 0) / 7 for p, _ in judged]
         step_errors = [p.error for p in probes if p.error is not None]
         scalars = {
             "charts/decoding_flops": total_flops, "charts/generated_tokens": total_tokens,
@@ -1013,8 +1107,8 @@ def main(args: Args) -> dict:
             "ac2/value_mean": float(np.mean([v for g in groups if g.lane != "refill" for v in g.values] or [0.0])),
             "losses/policy_loss": stats["policy_loss"], "losses/clipfrac": stats["clipfrac"],
             "losses/clipfrac_dual": stats["clipfrac_dual"], "losses/approx_kl": stats["approx_kl"],
-            "losses/entropy": mean_entropy, "losses/grad_norm": stats["grad_norm"],
-            "sampling/mismatch_kl": float((torch.exp(log_ratio) - 1 - log_ratio).mean()) if len(log_ratio) else 0.0,
+            "losses/entropy": mean_entropy, "losses/grad_norm": sum(grad_norms) / args.num_minibatches,
+            "sampling/mismatch_kl": dist.mean_all(torch.exp(log_ratio) - 1 - log_ratio),
             "time/generate": t_generate, "time/critic": t_critic, "time/score": t_score, "time/train": t_train,
             "time/sync": t_sync,
             "ac2/eps_high": clip_high, "ac2/global_mae": tracker.global_mae() or float("nan"),
@@ -1033,28 +1127,27 @@ def main(args: Args) -> dict:
         for lane in ("refill", "cold", "full", "short", "audit", "single"):
             scalars[f"ac2/tokens_{lane}"] = lane_tokens[lane]
         scalars["ac2/new_tokens_per_sample"] = sum(lane_tokens.values()) / max(1, sum(len(g.rows) for g in groups))
-        for key, value in scalars.items():
-            writer.add_scalar(key, value, step)
-        if args.log_completions_every and step % args.log_completions_every == 0:
-            shown = [f"**{g.lane}, v={g.values[0]:.2f}**\n```\n{texts[(gi, 0)][-1500:]}\n```"
-                     for gi, g in enumerate(groups) if g.rows][:4]
-            writer.add_text("samples/completions", "\n\n".join(shown), step)
+        if master:
+            for key, value in scalars.items():
+                writer.add_scalar(key, value, step)
+            if args.log_completions_every and step % args.log_completions_every == 0:
+                shown = [f"**{g.lane}, v={g.values[0]:.2f}**\n```\n{texts[(gi, 0)][-1500:]}\n```"
+                         for gi, g in enumerate(groups) if g.rows][:4]
+                writer.add_text("samples/completions", "\n\n".join(shown), step)
         if args.eval_every and (step % args.eval_every == 0 or step == args.num_steps):
             last_eval = evaluate(step)
-        print(f"step {step}/{args.num_steps} | reward {scalars['train/reward_mean']:.3f} | eval {last_eval:.3f} | "
-              f"ready {scalars['ac2/ready_problems']} gate {int(tracker.gate_open())} mae "
-              f"{scalars['ac2/global_mae']:.3f} | consumed {scalars['ac2/consumed_rows']} | tokens "
-              f"{sum(lane_tokens.values())} | gen {t_generate:.1f}s critic {t_critic:.1f}s train {t_train:.1f}s",
-              flush=True)
+        if master:
+            print(f"step {step}/{args.num_steps} | reward {scalars['train/reward_mean']:.3f} | eval {last_eval:.3f} | "
+                  f"ready {scalars['ac2/ready_problems']} gate {int(tracker.gate_open())} mae "
+                  f"{scalars['ac2/global_mae']:.3f} | consumed {scalars['ac2/consumed_rows']} | tokens "
+                  f"{sum(lane_tokens.values())} | gen {t_generate:.1f}s critic {t_critic:.1f}s train {t_train:.1f}s",
+                  flush=True)
         if args.save_every and (step % args.save_every == 0 or step == args.num_steps):
-            state = {"run_name": run_name, "buffer": [dataclasses.asdict(t) for t in buffer],
-                     "readiness": tracker.state(), "bank": bank, "critic_fifo": list(critic_fifo),
-                     "critic_lr": critic_lr, "ladder_streak": ladder_streak, "entropy_k": k_entropy,
-                     "decoding_flops": total_flops, "generated_tokens": total_tokens}
-            path = save_checkpoint(Path(args.checkpoint_dir) / run_name, step, model, tok,
-                                   {"actor": actor_opt, "critic": critic_opt}, state, args.keep_checkpoints)
-            print(f"saved {path}")
-    writer.close()
+            path = save(step, total_flops, total_tokens)
+            if master:
+                print(f"saved {path}")
+    if master:
+        writer.close()
     return {"run_name": run_name, "eval/mean_score": last_eval}
 
 

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import random
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -34,11 +32,11 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
-from common import engine
+from common import dist, engine
 from common.data import load_rows
-from common.judges import AnswerVerifier, extract_boxed, extract_final_answer
+from common.judges import AnswerVerifier, after_thinking, extract_boxed, extract_final_answer
 from common.tiny import (TINY_PACK_BUDGET, TINY_PACK_PROBLEM, TINY_PACK_SEPARATOR, TINY_PACK_TEMPLATE,
-                         tiny_model_path, tiny_reward)
+                         resolve_model, tiny_reward)
 
 PACK_TEMPLATE = (  # spec/ccr.md "Prompt and answer recovery" (project choice)
     "You will be given {n} problems. Solve them in order in a single response. Your whole response, reasoning "
@@ -61,8 +59,9 @@ class Args:
     """TensorBoard run folder under runs/ (default: <exp_name>__<seed>__<time>, or the resumed run's name)"""
     seed: int = 1
     """seed of the subset, the packs, every sampling request and torch"""
-    epochs: int = 3
-    """passes over the packed training set (packs are re-drawn every epoch)"""
+    epochs: int = 8
+    """passes over the packed training set (packs are re-drawn every epoch); 8 x 125 steps = the paper's 1,000
+    steps at the default batch (project choice derived from the paper's numbers: docs/ccr.md)"""
     num_steps: int | None = None
     """stop after this many steps instead (default: all the epochs); schedules still span `epochs`"""
     track: bool = False
@@ -123,8 +122,9 @@ class Args:
     """weight of the format reward r_fmt = N_eff / N (project choice)"""
 
     # --- rollouts and objective ---
-    packs_per_step: int = 64
-    """packed prompts per step (project choice)"""
+    packs_per_step: int = 8
+    """packed prompts per step: 8 packs x S = 4 = 32 completions of ~5.5k tokens = the paper's ~175k tokens per
+    step (project choice derived from the paper's numbers: docs/ccr.md)"""
     group_size: int = 4
     """S: completions per pack (BCR)"""
     temperature: float = 0.8
@@ -133,8 +133,9 @@ class Args:
     """sampling top-p"""
     top_k: int = -1
     """sampling top-k (-1: off)"""
-    std_normalize: bool = False
-    """divide the group advantage R - mean R by the group std (the authors' formula has no std)"""
+    std_normalize: bool = True
+    """A = (R - mean R) / (std R + 1e-4), "a stabilized group standard deviation" (the paper, Section 2);
+    --no-std-normalize: plain centring R - mean R (the authors' blog formula)"""
     learning_rate: float = 1e-6
     """AdamW learning rate, constant (project choice)"""
     weight_decay: float = 0.0
@@ -157,6 +158,12 @@ class Args:
     """recompute decoder activations in the backward pass (GPU only)"""
     gpu_memory_utilization: float = 0.4
     """share of GPU memory vLLM may take (it sleeps while the trainer works)"""
+    vllm_sleep_level: int = 2
+    """vLLM sleep level while the trainer works: 2 drops the engine's weights (the sync rewrites them), 1 keeps
+    them in CPU memory"""
+    offload_optimizer: bool = False
+    """keep the AdamW state (8 bytes per parameter) in CPU memory except during its step (GPU; see the README's
+    memory plan for when this makes a model fit)"""
 
     # --- evaluation and logging ---
     eval_every: int = 20
@@ -196,13 +203,17 @@ def tiny_args() -> Args:
 # CCR's rules
 # ----------------------------------------------------------------------------------------------------
 def parse_packed_answers(text: str, n: int) -> list[str | None]:
-    """The N answers of a packed completion, in order (spec/ccr.md, project choice consistent with the paper).
+    """The N answers of a packed completion, in order (spec/ccr.md "Prompt and answer recovery").
 
-    For k = 1..N: find the first `Answer k:` after the previous answer, then the first complete `\\boxed{..}`
-    after it (brace-depth matched) and before the next `Answer j:` marker. The first k without a closed
-    answer ends the run: it and everything after it are None. The whole completion is parsed (answers may
-    sit inside the thinking section).
+    Only the answer section is parsed: the text after the last `</think>` when there is one, else the whole
+    completion (a truncated one still thinking) -- thinking models restate the required format while they
+    draft, and a draft inside a finished thinking section must not count. For k = 1..N: find the first
+    `Answer k:` after the previous answer, then the first complete `\\boxed{..}` after it (brace-depth
+    matched) and before the next `Answer j:` marker. The first k without a closed, non-empty answer ends the
+    run: it and everything after it are None (an empty `\\boxed{}` is no answer: shortening must preserve
+    correctness, not just the markers).
     """
+    text = after_thinking(text)
     out: list[str | None] = [None] * n
     pos = 0
     for k in range(1, n + 1):
@@ -212,7 +223,7 @@ def parse_packed_answers(text: str, n: int) -> list[str | None]:
         nxt = re.compile(r"Answer\s*\d+\s*:").search(text, m.end())
         segment = text[m.end() : nxt.start() if nxt else len(text)]
         answer = extract_boxed(segment, which="first")
-        if answer is None:
+        if answer is None or not answer.strip():
             break
         out[k - 1] = answer
         pos = m.end() + segment.index("\\boxed") + len(answer)
@@ -225,6 +236,17 @@ def packed_reward(correct: list[float], n_eff: int, n: int, w_acc: float, w_fmt:
     r_acc = sum(correct[:n_eff]) / n
     r_fmt = n_eff / n
     return w_acc * r_acc + w_fmt * r_fmt, r_acc, r_fmt
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool) -> torch.Tensor:
+    """A_j = (R_j - mean R) / (std R + 1e-4) within each group of S completions of one pack (Section 2: "a
+    stabilized group standard deviation"; unbiased std as in TRL; equal rewards give 0); without std_normalize
+    the plain centring R_j - mean R."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if std_normalize and group_size > 1:
+        adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)
+    return adv.reshape(-1)
 
 
 def make_packs(difficulties: list[float], n: int, epoch: int, seed: int) -> list[list[int]]:
@@ -258,9 +280,21 @@ def _chunk_logprobs(hidden, targets, weight, bias, temperature: float):
     return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
+def final_hidden_states(model, input_ids):
+    """The decoder's output (after the final norm), computed by the model's own forward -- so that a sharded
+    trainer's hooks gather the weights -- with the vocabulary logits of only the last position."""
+    out = {}
+    hook = model.get_decoder().norm.register_forward_hook(lambda module, args, output: out.setdefault("h", output))
+    try:
+        model(input_ids=input_ids, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return out["h"]
+
+
 def sequence_logprobs(model, input_ids, starts, lengths, temperature: float, chunk: int):
     """Log-probs of input_ids[b, starts[b] : starts[b] + lengths[b]], LM head in checkpointed chunks."""
-    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state
+    hidden = final_hidden_states(model, input_ids)
     rows = torch.cat([torch.full((n,), b, dtype=torch.long) for b, n in enumerate(lengths)]).to(input_ids.device)
     cols = torch.cat([torch.arange(s - 1, s - 1 + n) for s, n in zip(starts, lengths)]).to(input_ids.device)
     h, targets = hidden[rows, cols], input_ids[rows, cols + 1]
@@ -303,34 +337,6 @@ def autocast(device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, state: dict, keep: int) -> Path:
-    """Written aside, then renamed: a kill mid-save never spoils the last good checkpoint."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    final, tmp = run_dir / f"step_{step}", run_dir / f".step_{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "policy")
-    tokenizer.save_pretrained(tmp / "policy")
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng, **state}, tmp / "trainer_state.pt")
-    if final.exists():
-        os.replace(final, run_dir / f".step_{step}.old")
-    os.replace(tmp, final)
-    shutil.rmtree(run_dir / f".step_{step}.old", ignore_errors=True)
-    for old in sorted(run_dir.glob("step_*"), key=lambda p: int(p.name[5:]))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def find_checkpoint(path: str) -> Path:
-    p = Path(path)
-    if (p / "trainer_state.pt").exists():
-        return p
-    steps = sorted((d for d in p.glob("step_*") if (d / "trainer_state.pt").exists()), key=lambda d: int(d.name[5:]))
-    if not steps:
-        raise SystemExit(f"--resume {path!r}: no checkpoint there (expected trainer_state.pt or step_<N> folders).")
-    return steps[-1]
-
-
 # ----------------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------------
@@ -338,13 +344,16 @@ def main(args: Args) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
 
-    resume_dir = find_checkpoint(args.resume) if args.resume else None
-    ckpt = torch.load(resume_dir / "trainer_state.pt", weights_only=False) if resume_dir else None
+    # one process per GPU under torchrun, each holding all of the algorithm's state (common/dist.py)
+    rank, world, device = dist.init()
+    master = rank == 0
+    resume_dir = dist.find_checkpoint(args.resume) if args.resume else None
+    ckpt = dist.read_state(resume_dir) if resume_dir else None
     run_name = args.run_name or (ckpt["run_name"] if ckpt else f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_name = dist.from_rank0(run_name)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     fields = [args.problem_field, args.answer_field, args.difficulty_field]
     rows = load_rows(args.dataset, args.dataset_split, fields)
@@ -361,18 +370,20 @@ def main(args: Args) -> dict:
         raise SystemExit(f"dataset {args.dataset!r} has {len(rows)} problems, fewer than --pack-size {args.pack_size}.")
     eval_rows = load_rows(args.eval_dataset, args.eval_split, [args.eval_problem_field, args.eval_answer_field],
                           args.eval_limit) if args.eval_every else []
-    model_path = tiny_model_path() if args.model == "tiny" else args.model
+    model_path = resolve_model(args.model)
     try:
         config = AutoConfig.from_pretrained(model_path)
         tok = AutoTokenizer.from_pretrained(model_path)
     except Exception as e:
         raise SystemExit(f"could not load model {args.model!r}: {str(e).splitlines()[0][:300]}") from None
     model = AutoModelForCausalLM.from_pretrained(resume_dir / "policy" if resume_dir else model_path,
-                                                 dtype=torch.float32).to(device)
+                                                 dtype=torch.float32)  # fp32 master weights
     if device.type == "cuda" and args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    model = dist.shard(model, device)  # FSDP2 under a process group (common/dist.py)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
+                                  fused=device.type == "cuda")  # fused: no full-size temporary on GPU
     packs_per_epoch = len(rows) // args.pack_size
     steps_per_epoch = math.ceil(packs_per_epoch / args.packs_per_step)
     num_steps = args.epochs * steps_per_epoch
@@ -412,21 +423,23 @@ def main(args: Args) -> dict:
     start_step, total_flops, total_tokens = 0, 0, 0
     packs, packs_epoch = make_packs(difficulties, args.pack_size, 0, args.seed), 0
     if ckpt:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        dist.load_checkpoint(resume_dir, model, {"optimizer": optimizer})
         start_step, total_flops, total_tokens = ckpt["step"], ckpt["decoding_flops"], ckpt["generated_tokens"]
         packs, packs_epoch = ckpt["packs"], ckpt["packs_epoch"]
-        random.setstate(ckpt["rng"]["python"])
-        np.random.set_state(ckpt["rng"]["numpy"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        print(f"resumed from {resume_dir} at step {start_step}")
+        if master:
+            print(f"resumed from {resume_dir} at step {start_step}")
+    if args.offload_optimizer:
+        dist.offload_state(optimizer, "cpu")
     engine.sync_weights(llm, model)
 
-    writer = SummaryWriter(f"runs/{run_name}")
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v!r}|" for k, v in vars(args).items()))
-    if args.track:
-        import wandb
+    writer = SummaryWriter(f"runs/{run_name}") if master else None  # rank 0 logs
+    if master:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v!r}|" for k, v in vars(args).items()))
+        if args.track:
+            import wandb
 
-        wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
+            wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
 
     def evaluate(step: int) -> float:
         """Single problems, ordinary answer format (the policy must still solve one problem at a time);
@@ -443,8 +456,8 @@ def main(args: Args) -> dict:
         else:
             xs = verifier.verify([str(r[args.eval_answer_field]) for r in golds], [extract_final_answer(t) for t in texts])
         score = float(np.mean(xs))
-        writer.add_scalar("eval/mean_score", score, step)
-        writer.add_scalar("eval/tokens_per_problem", float(np.mean([len(c.token_ids) for g in groups for c in g])), step)
+        logged = {"eval/mean_score": score,
+                  "eval/tokens_per_problem": float(np.mean([len(c.token_ids) for g in groups for c in g]))}
         for n in args.packed_eval_sizes:
             eval_packs = [eval_rows[i : i + n] for i in range(0, len(eval_rows) - n + 1, n)]
             prompts_n = [pack_prompt([r[args.eval_problem_field] for r in p]) for p in eval_packs]
@@ -453,13 +466,16 @@ def main(args: Args) -> dict:
                 max_tokens=args.budget, seed=request_seed(args.seed, -3, n, i)) for i in range(len(prompts_n))])
             scored = score_packs([tok.decode(o[0].token_ids, skip_special_tokens=True) for o in outs], eval_packs,
                                  args.eval_answer_field, args.eval_dataset == "tiny")
-            writer.add_scalar(f"eval/packed_r_acc_n{n}", float(np.mean([s[1] for s in scored])), step)
-            writer.add_scalar(f"eval/packed_n_eff_n{n}", float(np.mean([s[3] for s in scored])), step)
-        writer.add_scalar("time/eval", time.time() - t0, step)
+            logged[f"eval/packed_r_acc_n{n}"] = float(np.mean([s[1] for s in scored]))
+            logged[f"eval/packed_n_eff_n{n}"] = float(np.mean([s[3] for s in scored]))
+        logged["time/eval"] = time.time() - t0
+        if master:
+            for key, value in logged.items():
+                writer.add_scalar(key, value, step)
         return score
 
     last_eval = evaluate(0) if args.eval_every and start_step == 0 else float("nan")
-    if start_step == 0:
+    if start_step == 0 and master:
         print(f"step 0 | single-problem eval {last_eval:.3f}")
 
     last_step = min(num_steps, args.num_steps or num_steps)
@@ -475,7 +491,7 @@ def main(args: Args) -> dict:
                                  max_tokens=args.budget, logprobs=0, seed=request_seed(args.seed, step, j))
                   for j in range(len(batch))]
         groups = engine.generate(llm, prompts, params)
-        engine.sleep(llm)
+        engine.sleep(llm, args.vllm_sleep_level)
         samples = [(j, c) for j in range(len(batch)) for c in groups[j]]  # group-major
         new_tokens = [len(c.token_ids) for _, c in samples]
         total_tokens += sum(new_tokens)
@@ -489,27 +505,29 @@ def main(args: Args) -> dict:
                              args.dataset == "tiny")
         rewards = torch.tensor([s[0] for s in scored], dtype=torch.float32)
         r = rewards.view(-1, args.group_size)
-        advantages = r - r.mean(dim=1, keepdim=True)  # A_j = R_j - mean R (the authors' formula)
-        if args.std_normalize and args.group_size > 1:
-            advantages = advantages / (r.std(dim=1, keepdim=True) + 1e-4)
-        advantages = advantages.reshape(-1)
+        advantages = group_advantages(rewards, args.group_size, args.std_normalize)
         t_score = time.time() - t0
 
         # 3. Old log-probs; truncated completions stay in the loss with their partial reward
         t0 = time.time()
         seqs = [prompts[j] + c.token_ids for j, c in samples]
         starts = [len(prompts[j]) for j, _ in samples]
-        old_lp = [None] * len(seqs)
+        old_lp = {}  # for the rows this process trains (row i: rank i % world under torchrun)
         model.eval()
         with torch.no_grad(), autocast(device):
-            for mb in make_micro_batches(list(range(len(seqs))), [len(s) for s in seqs], args.micro_batch_tokens):
+            for mb in dist.even(make_micro_batches(dist.mine(range(len(seqs))), [len(s) for s in seqs],
+                                                   args.micro_batch_tokens)):
+                if not mb:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
+                    dist.idle_pass(model)
+                    continue
                 ids = pad_batch([seqs[i] for i in mb], tok.pad_token_id, device)
                 lp = sequence_logprobs(model, ids, [starts[i] for i in mb], [new_tokens[i] for i in mb],
                                        args.temperature, args.logprob_chunk_tokens)
                 for i, a in zip(mb, lp.split([new_tokens[i] for i in mb])):
                     old_lp[i] = a
-        vllm_lp = torch.tensor([x for _, c in samples for x in c.logprobs])
-        log_ratio = torch.cat(old_lp).cpu() - vllm_lp
+        mine = sorted(old_lp)
+        trainer_lp = torch.cat([old_lp[i] for i in mine] or [torch.zeros(0)]).float().cpu()
+        log_ratio = trainer_lp - torch.tensor([x for i in mine for x in samples[i][1].logprobs])
 
         # 4. Clipped surrogate, token-level mean over the batch (long truncated completions are not
         #    down-weighted per token), beta = 0
@@ -522,7 +540,10 @@ def main(args: Args) -> dict:
                 continue
             denom = sum(new_tokens[i] for i in mb)
             optimizer.zero_grad(set_to_none=True)
-            for micro in make_micro_batches(mb, [len(s) for s in seqs], args.micro_batch_tokens):
+            for micro in dist.even(make_micro_batches(dist.mine(mb), [len(s) for s in seqs], args.micro_batch_tokens)):
+                if not micro:
+                    dist.idle_pass(model)
+                    continue
                 ids = pad_batch([seqs[i] for i in micro], tok.pad_token_id, device)
                 with autocast(device):
                     lp = sequence_logprobs(model, ids, [starts[i] for i in micro], [new_tokens[i] for i in micro],
@@ -535,9 +556,11 @@ def main(args: Args) -> dict:
                 stats["policy_loss"] += float(loss.detach()) / args.num_minibatches
                 stats["clipfrac"] += float(clipped.float().sum()) / n_tok
                 stats["approx_kl"] += float(approx_kl.detach().sum()) / n_tok
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norm = dist.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
             if torch.isfinite(grad_norm):
-                optimizer.step()
+                dist.step(optimizer, device, args.offload_optimizer)
+        model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
+        stats = {k: dist.sum_all(v) for k, v in stats.items()}  # each rank summed its own rows
         t_train = time.time() - t0
         t0 = time.time()
         engine.wake_up(llm, model)
@@ -552,8 +575,8 @@ def main(args: Args) -> dict:
             "losses/policy_loss": stats["policy_loss"], "losses/clipfrac": stats["clipfrac"],
             "losses/approx_kl": stats["approx_kl"], "losses/grad_norm": float(grad_norm),
             # Monte-Carlo estimate of the token entropy: mean -log p of the sampled tokens
-            "losses/entropy": float(-torch.cat(old_lp).mean()) if n_tok else 0.0,
-            "sampling/mismatch_kl": float((torch.exp(log_ratio) - 1 - log_ratio).mean()) if n_tok else 0.0,
+            "losses/entropy": -dist.mean_all(trainer_lp),
+            "sampling/mismatch_kl": dist.mean_all(torch.exp(log_ratio) - 1 - log_ratio),
             "time/generate": t_generate, "time/score": t_score, "time/train": t_train, "time/sync": t_sync,
             "ccr/tokens_per_step": sum(new_tokens), "ccr/r_acc": float(np.mean([s[1] for s in scored])),
             "ccr/r_fmt": float(np.mean([s[2] for s in scored])), "ccr/n_eff_mean": float(np.mean(n_eff)),
@@ -563,25 +586,29 @@ def main(args: Args) -> dict:
         }
         for k in range(args.pack_size + 1):
             scalars[f"ccr/n_eff_frac_{k}"] = float(np.mean([e == k for e in n_eff]))
-        for key, value in scalars.items():
-            writer.add_scalar(key, value, step)
-        writer.add_histogram("ccr/n_eff", np.array(n_eff), step, bins=np.arange(args.pack_size + 2) - 0.5)
-        if args.log_completions_every and step % args.log_completions_every == 0:
-            shown = [f"**R={scored[i][0]:.2f} N_eff={scored[i][3]} truncated={truncated[i]}**\n```\n{texts[i][-2000:]}\n```"
-                     for i in range(min(3, n))]
-            writer.add_text("samples/completions", "\n\n".join(shown), step)
+        if master:
+            for key, value in scalars.items():
+                writer.add_scalar(key, value, step)
+            writer.add_histogram("ccr/n_eff", np.array(n_eff), step, bins=np.arange(args.pack_size + 2) - 0.5)
+            if args.log_completions_every and step % args.log_completions_every == 0:
+                shown = [f"**R={scored[i][0]:.2f} N_eff={scored[i][3]} truncated={truncated[i]}**\n```\n"
+                         f"{texts[i][-2000:]}\n```" for i in range(min(3, n))]
+                writer.add_text("samples/completions", "\n\n".join(shown), step)
         if args.eval_every and (step % args.eval_every == 0 or step == last_step):
             last_eval = evaluate(step)
-        print(f"step {step}/{last_step} | R {scalars['train/reward_mean']:.3f} r_acc {scalars['ccr/r_acc']:.3f} | "
-              f"N_eff {scalars['ccr/n_eff_mean']:.2f} | truncated {scalars['ccr/truncated_frac']:.2f} | tokens "
-              f"{sum(new_tokens)} | eval {last_eval:.3f} | gen {t_generate:.1f}s train {t_train:.1f}s", flush=True)
+        if master:
+            print(f"step {step}/{last_step} | R {scalars['train/reward_mean']:.3f} r_acc {scalars['ccr/r_acc']:.3f} | "
+                  f"N_eff {scalars['ccr/n_eff_mean']:.2f} | truncated {scalars['ccr/truncated_frac']:.2f} | tokens "
+                  f"{sum(new_tokens)} | eval {last_eval:.3f} | gen {t_generate:.1f}s train {t_train:.1f}s", flush=True)
         if args.save_every and (step % args.save_every == 0 or step == last_step):
             state = {"run_name": run_name, "packs": packs, "packs_epoch": packs_epoch, "decoding_flops": total_flops,
                      "generated_tokens": total_tokens}
-            path = save_checkpoint(Path(args.checkpoint_dir) / run_name, step, model, tok, optimizer, state,
-                                   args.keep_checkpoints)
-            print(f"saved {path}")
-    writer.close()
+            path = dist.save_checkpoint(Path(args.checkpoint_dir) / run_name, step, model, tok,
+                                        {"optimizer": optimizer}, state, args.keep_checkpoints)
+            if master:
+                print(f"saved {path}")
+    if master:
+        writer.close()
     verifier.close()
     return {"run_name": run_name, "eval/mean_score": last_eval}
 

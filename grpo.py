@@ -13,10 +13,9 @@ estimator with a Monte-Carlo baseline at the root: every trajectory must be roll
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import os
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,10 +28,10 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
-from common import engine
+from common import dist, engine
 from common.data import load_rows
 from common.judges import AnswerVerifier, Judge, JudgeConfig, extract_final_answer, extract_proof
-from common.tiny import tiny_model_path, tiny_reward
+from common.tiny import resolve_model, tiny_reward
 
 AC2_PROMPT = (  # AC2 paper, Appendix C (spec/ac2.md "Actor prompt")
     "Consider the following mathematical problem:\n{problem}\n\nSolve the problem. Write a complete "
@@ -109,14 +108,16 @@ class Args:
     """environment variable holding the judge's API key (never logged)"""
     judge_max_concurrency: int = 64
     """judge requests in flight at once"""
-    judge_timeout_s: float = 600.0
-    """per-request timeout of the judge, seconds"""
+    judge_timeout_s: float = 1800.0
+    """per-request timeout of the judge, seconds (the released client's: 40k-token gradings take minutes)"""
     judge_max_retries: int = 4
     """retries of a failed judge request (timeouts, 5xx, 408, 429; never other 4xx)"""
     judge_temperature: float = 1.0
     """judge sampling temperature"""
     judge_max_tokens: int = 40_000
     """judge max_tokens"""
+    judge_max_invalid_steps: int = 3
+    """stop (with a checkpoint) after this many consecutive steps in which over half of the judge calls failed"""
 
     # --- rollouts ---
     problems_per_step: int = 256
@@ -173,6 +174,12 @@ class Args:
     """recompute decoder activations in the backward pass (GPU only)"""
     gpu_memory_utilization: float = 0.4
     """share of GPU memory vLLM may take (it sleeps while the trainer works)"""
+    vllm_sleep_level: int = 2
+    """vLLM sleep level while the trainer works: 2 drops the engine's weights (the sync rewrites them), 1 keeps
+    them in CPU memory"""
+    offload_optimizer: bool = False
+    """keep the AdamW state (8 bytes per parameter) in CPU memory except during its step (GPU; see the README's
+    memory plan for when this makes a model fit)"""
 
     # --- evaluation and logging ---
     eval_every: int = 10
@@ -237,14 +244,14 @@ def encode_prompt(tokenizer, template: str, problem: str) -> list[int]:
 
 
 def score_responses(args: Args, texts, rows, *, verifier, judge, evaluation: bool = False):
-    """(rewards, valid flags, judge points or None) for each response text against its row."""
+    """(rewards, valid flags, judge points or None, [(error, detail) of each judge call]) for each response."""
     n = len(texts)
     if args.dataset == "tiny" and (not evaluation or args.eval_dataset == "tiny"):
-        return [tiny_reward(t, r["answer"]) for t, r in zip(texts, rows)], [True] * n, [None] * n
+        return [tiny_reward(t, r["answer"]) for t, r in zip(texts, rows)], [True] * n, [None] * n, []
     if args.reward == "verifier":
         field = args.eval_answer_field if evaluation else args.answer_field
         golds = [str(r[field]) for r in rows]
-        return verifier.verify(golds, [extract_final_answer(t) for t in texts]), [True] * n, [None] * n
+        return verifier.verify(golds, [extract_final_answer(t) for t in texts]), [True] * n, [None] * n, []
     # judge: a response without a complete proof gets 0 without a call and stays valid (spec/ac2.md step 5)
     proofs = [extract_proof(t) for t in texts]
     todo = [i for i, p in enumerate(proofs) if p is not None]
@@ -253,11 +260,25 @@ def score_responses(args: Args, texts, rows, *, verifier, judge, evaluation: boo
         [proofs[i] for i in todo],
         [rows[i].get(args.eval_solution_field) for i in todo] if evaluation else None,
         [rows[i].get(args.eval_guidelines_field) for i in todo] if evaluation else None,
+        validation=evaluation,
     )
     rewards, valid, points = [0.0] * n, [True] * n, [0] * n
     for i, res in zip(todo, results):
         rewards[i], valid[i], points[i] = res.reward, res.valid, res.points
-    return rewards, valid, points
+    return rewards, valid, points, [(res.error, res.detail) for res in results]
+
+
+def judge_failure_streak(calls: list[tuple[str | None, str | None]], streak: int) -> tuple[int, str | None]:
+    """A step in which more than half of the judge calls failed extends the streak and explains itself (the
+    causes, most frequent first, with one server message each); any other step ends the streak. A failing
+    judge turns rewards into invalid zeros, so the caller stops the run when the streak gets long."""
+    failed = [(e, d) for e, d in calls if e is not None]
+    if not calls or 2 * len(failed) <= len(calls):
+        return 0, None
+    causes = collections.Counter(e for e, _ in failed)
+    detail = {e: d for e, d in reversed(failed)}  # the first message of each cause
+    listed = "; ".join(f"{e} x{k}" + (f" ({detail[e]})" if detail[e] else "") for e, k in causes.most_common())
+    return streak + 1, f"{len(failed)} of {len(calls)} judge calls failed: {listed}"
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool) -> torch.Tensor:
@@ -288,6 +309,18 @@ def _chunk_logprobs(hidden, targets, weight, bias, temperature: float, with_entr
     return logp, entropy
 
 
+def final_hidden_states(model, input_ids):
+    """The decoder's output (after the final norm), computed by the model's own forward -- so that a sharded
+    trainer's hooks gather the weights -- with the vocabulary logits of only the last position."""
+    out = {}
+    hook = model.get_decoder().norm.register_forward_hook(lambda module, args, output: out.setdefault("h", output))
+    try:
+        model(input_ids=input_ids, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return out["h"]
+
+
 def sequence_logprobs(model, input_ids, starts, lengths, temperature: float, chunk: int, with_entropy=False):
     """Log-probabilities (and entropies) of tokens input_ids[b, starts[b] : starts[b]+lengths[b]].
 
@@ -296,7 +329,7 @@ def sequence_logprobs(model, input_ids, starts, lengths, temperature: float, chu
     checkpointed so its logits are recomputed in the backward pass instead of kept.
     Returns flat tensors over the selected tokens, in batch order.
     """
-    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state
+    hidden = final_hidden_states(model, input_ids)
     rows = torch.cat([torch.full((n,), b, dtype=torch.long) for b, n in enumerate(lengths)]).to(input_ids.device)
     cols = torch.cat([torch.arange(s - 1, s - 1 + n) for s, n in zip(starts, lengths)]).to(input_ids.device)
     h, targets = hidden[rows, cols], input_ids[rows, cols + 1]  # position t predicts token t+1
@@ -367,50 +400,21 @@ def autocast(device):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Checkpoints: written aside then renamed, so a kill mid-save never spoils the last good one
-# ----------------------------------------------------------------------------------------------------
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, state: dict, keep: int) -> Path:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    final, tmp = run_dir / f"step_{step}", run_dir / f".step_{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "policy")
-    tokenizer.save_pretrained(tmp / "policy")
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng, **state}, tmp / "trainer_state.pt")
-    if final.exists():  # re-saving a step after a resume: swap, never leave no checkpoint behind
-        os.replace(final, run_dir / f".step_{step}.old")
-    os.replace(tmp, final)
-    shutil.rmtree(run_dir / f".step_{step}.old", ignore_errors=True)
-    for old in sorted(run_dir.glob("step_*"), key=lambda p: int(p.name[5:]))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def find_checkpoint(path: str) -> Path:
-    p = Path(path)
-    if (p / "trainer_state.pt").exists():
-        return p
-    steps = sorted((d for d in p.glob("step_*") if (d / "trainer_state.pt").exists()), key=lambda d: int(d.name[5:]))
-    if not steps:
-        raise SystemExit(f"--resume {path!r}: no checkpoint there (expected trainer_state.pt or step_<N> folders).")
-    return steps[-1]
-
-
-# ----------------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    resume_dir = find_checkpoint(args.resume) if args.resume else None
-    ckpt = torch.load(resume_dir / "trainer_state.pt", weights_only=False) if resume_dir else None
+    # one process per GPU under torchrun, each holding all of the algorithm's state (common/dist.py)
+    rank, world, device = dist.init()
+    master = rank == 0
+    resume_dir = dist.find_checkpoint(args.resume) if args.resume else None
+    ckpt = dist.read_state(resume_dir) if resume_dir else None
     run_name = args.run_name or (ckpt["run_name"] if ckpt else f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_name = dist.from_rank0(run_name)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     # --- data (fail fast, one sentence) ---
     train_fields = [args.problem_field] + ([args.answer_field] if args.reward == "verifier" else [])
@@ -418,24 +422,39 @@ def main(args: Args) -> dict:
     train_rows = load_rows(args.dataset, args.dataset_split, train_fields, args.train_limit)
     eval_rows = load_rows(args.eval_dataset, args.eval_split, eval_fields, args.eval_limit) if args.eval_every else []
 
-    # --- models: the trainer (plain transformers) and the engine (vLLM) ---
-    model_path = tiny_model_path() if args.model == "tiny" else args.model
+    # --- the judge: one real grading request before any model is loaded (fail fast, one sentence) ---
+    judge = None
+    if args.reward == "judge":
+        judge = Judge(JudgeConfig(args.judge_base_url, args.judge_model, args.judge_api_key_env,
+                                  args.judge_max_concurrency, args.judge_timeout_s, args.judge_max_retries,
+                                  temperature=args.judge_temperature, max_tokens=args.judge_max_tokens))
+        if master:
+            print(f"checking the judge {args.judge_model} at {args.judge_base_url} with one real grading request...",
+                  flush=True)
+        if (err := judge.check()) is not None:
+            raise SystemExit(f"the judge {args.judge_model} at {args.judge_base_url} failed a grading request with "
+                             f"the run's settings (max_tokens {args.judge_max_tokens}, temperature "
+                             f"{args.judge_temperature}): {err}")
+
+    # --- models: the trainer (plain transformers, FSDP2-sharded under a process group) and the engine (vLLM) ---
+    model_path = resolve_model(args.model)
     try:
         config = AutoConfig.from_pretrained(model_path)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except Exception as e:
         raise SystemExit(f"could not load model {args.model!r}: {str(e).splitlines()[0][:300]}") from None
-    policy_path = resume_dir / "policy" if resume_dir else model_path
-    model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(resume_dir / "policy" if resume_dir else model_path,
+                                                 dtype=torch.float32)  # fp32 master weights
     if device.type == "cuda" and args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    model = dist.shard(model, device)
     ref_model = None
     if args.kl_coef > 0:
-        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+        ref_model = dist.shard(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), device).eval()
         ref_model.requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.999), eps=1e-8)
+                                  betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")  # fused: no temporary
     prompts = [encode_prompt(tokenizer, args.prompt_template, r[args.problem_field]) for r in train_rows]
     eval_prompts = [encode_prompt(tokenizer, args.prompt_template, r[args.problem_field]) for r in eval_rows]
     longest_prompt = max(map(len, prompts + eval_prompts))
@@ -445,33 +464,34 @@ def main(args: Args) -> dict:
     )
     flops_A, flops_B = engine.decoding_flops_coefficients(config)
     verifier = AnswerVerifier() if args.reward == "verifier" and args.dataset != "tiny" else None
-    judge = None
-    if args.reward == "judge":
-        judge = Judge(JudgeConfig(args.judge_base_url, args.judge_model, args.judge_api_key_env,
-                                  args.judge_max_concurrency, args.judge_timeout_s, args.judge_max_retries,
-                                  temperature=args.judge_temperature, max_tokens=args.judge_max_tokens))
-        if (err := judge.check()) is not None:
-            raise SystemExit(f"the judge at {args.judge_base_url} ({args.judge_model}) is unreachable: {err}")
 
     # --- state that a checkpoint carries ---
     start_step, k_entropy, total_flops, total_tokens = 0, args.entropy_k_init, 0, 0
+    judge_streak = 0  # consecutive steps in which over half of the judge calls failed (not checkpointed)
     if ckpt:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        dist.load_checkpoint(resume_dir, model, {"optimizer": optimizer})
         start_step, k_entropy = ckpt["step"], ckpt["entropy_k"]
         total_flops, total_tokens = ckpt["decoding_flops"], ckpt["generated_tokens"]
-        random.setstate(ckpt["rng"]["python"])
-        np.random.set_state(ckpt["rng"]["numpy"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        print(f"resumed from {resume_dir} at step {start_step}")
+        if master:
+            print(f"resumed from {resume_dir} at step {start_step}")
+    if args.offload_optimizer:
+        dist.offload_state(optimizer, "cpu")
     engine.sync_weights(llm, model)  # the engine serves exactly the trainer's (possibly resumed) weights
 
-    writer = SummaryWriter(f"runs/{run_name}")
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-        f"|{k}|{v!r}|" for k, v in vars(args).items()))
-    if args.track:
-        import wandb
+    def save(at_step: int) -> Path:
+        return dist.save_checkpoint(Path(args.checkpoint_dir) / run_name, at_step, model, tokenizer,
+                                    {"optimizer": optimizer}, {"run_name": run_name, "entropy_k": k_entropy,
+                                    "decoding_flops": total_flops, "generated_tokens": total_tokens},
+                                    args.keep_checkpoints)
 
-        wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
+    writer = SummaryWriter(f"runs/{run_name}") if master else None  # rank 0 logs
+    if master:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v!r}|" for k, v in vars(args).items()))
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
 
     def evaluate(step: int) -> float:
         from vllm import SamplingParams
@@ -484,18 +504,21 @@ def main(args: Args) -> dict:
         groups = engine.generate(llm, eval_prompts, params)
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
         rows = [r for r in eval_rows for _ in range(args.eval_samples)]
-        rewards, valid, points = score_responses(args, texts, rows, verifier=verifier, judge=judge, evaluation=True)
+        rewards, valid, points, _ = score_responses(args, texts, rows, verifier=verifier, judge=judge,
+                                                    evaluation=True)
         score = float(np.mean(rewards))
-        writer.add_scalar("eval/mean_score", score, step)
-        if args.reward == "judge":
-            writer.add_scalar("eval/pass_rate", float(np.mean([(p or 0) >= 6 for p in points])), step)
-            writer.add_scalar("eval/judge_invalid", float(np.mean([not v for v in valid])), step)
-        writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])), step)
-        writer.add_scalar("time/eval", time.time() - t0, step)
+        if master:
+            writer.add_scalar("eval/mean_score", score, step)
+            if args.reward == "judge":
+                writer.add_scalar("eval/pass_rate", float(np.mean([(p or 0) >= 6 for p in points])), step)
+                writer.add_scalar("eval/judge_invalid", float(np.mean([not v for v in valid])), step)
+            writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])),
+                              step)
+            writer.add_scalar("time/eval", time.time() - t0, step)
         return score
 
     last_eval = evaluate(0) if args.eval_every and start_step == 0 else float("nan")
-    if start_step == 0:
+    if start_step == 0 and master:
         print(f"step 0 | eval {last_eval:.3f}")
     from vllm import SamplingParams
 
@@ -508,31 +531,46 @@ def main(args: Args) -> dict:
                                  max_tokens=args.max_response_tokens, logprobs=0,
                                  seed=request_seed(args.seed, step, j)) for j in range(len(batch_idx))]
         groups = engine.generate(llm, [prompts[i] for i in batch_idx], params)
-        engine.sleep(llm)
+        engine.sleep(llm, args.vllm_sleep_level)
         samples = [(i, c) for i, g in zip(batch_idx, groups) for c in g]  # group-major: G rows per problem
         new_tokens = [len(c.token_ids) for _, c in samples]
-        total_tokens += sum(new_tokens)
-        total_flops += sum(engine.decoding_flops(flops_A, flops_B, len(prompts[i]), len(c.token_ids)) for i, c in samples)
         t_generate = time.time() - t0
 
-        # 2. score every response
+        # 2. score every response; a judge that fails most calls step after step stops the run, with the
+        #    state before this step saved, rather than train the policy on its zeros
         t0 = time.time()
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in samples]
-        rewards, valid, _ = score_responses(args, texts, [train_rows[i] for i, _ in samples], verifier=verifier,
-                                            judge=judge)
+        rewards, valid, _, calls = score_responses(args, texts, [train_rows[i] for i, _ in samples], verifier=verifier,
+                                                   judge=judge)
+        judge_streak, warning = judge_failure_streak(calls, judge_streak)
+        if warning and master:
+            print(f"warning: step {step}: {warning}", flush=True)
+        if judge_streak >= args.judge_max_invalid_steps:
+            path = save(step - 1)
+            raise SystemExit(f"stopped: more than half of the judge's calls failed in {judge_streak} consecutive "
+                             f"steps (last: {warning}). The state before step {step} is saved in {path}; fix the "
+                             f"judge, then continue with --resume {path}")
+        total_tokens += sum(new_tokens)
+        total_flops += sum(engine.decoding_flops(flops_A, flops_B, len(prompts[i]), len(c.token_ids)) for i, c in samples)
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
         advantages = group_advantages(rewards_t, args.group_size, args.std_normalize)
         t_score = time.time() - t0
 
-        # 3. old log-probabilities and entropies, recomputed by the trainer (logits / temperature)
+        # 3. old log-probabilities and entropies, recomputed by the trainer (logits / temperature), for the rows
+        #    this process trains (all of them with one process; row i goes to rank i % world under torchrun)
         t0 = time.time()
         seqs = [prompts[i] + c.token_ids for i, c in samples]
         starts = [len(prompts[i]) for i, _ in samples]
         lengths = [len(s) for s in seqs]
-        old_logps, ref_logps, entropies = [None] * len(samples), [None] * len(samples), [None] * len(samples)
+        old_logps, ref_logps, entropies = {}, {}, {}
         model.eval()
         with torch.no_grad(), autocast(device):
-            for mb in make_micro_batches(list(range(len(samples))), lengths, args.micro_batch_tokens):
+            for mb in dist.even(make_micro_batches(dist.mine(range(len(samples))), lengths, args.micro_batch_tokens)):
+                if not mb:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
+                    dist.idle_pass(model)
+                    if ref_model is not None:
+                        dist.idle_pass(ref_model)
+                    continue
                 ids = pad_batch([seqs[i] for i in mb], tokenizer.pad_token_id, device)
                 mb_starts, mb_lens = [starts[i] for i in mb], [new_tokens[i] for i in mb]
                 lp, ent = sequence_logprobs(model, ids, mb_starts, mb_lens, args.temperature,
@@ -541,17 +579,20 @@ def main(args: Args) -> dict:
                                         args.logprob_chunk_tokens)[0] if ref_model else lp
                 for j, a, b, c in zip(mb, lp.split(mb_lens), ent.split(mb_lens), ref.split(mb_lens)):
                     old_logps[j], entropies[j], ref_logps[j] = a, b, c
-        all_old = torch.cat(old_logps).cpu()
-        vllm_lp = torch.tensor([x for _, c in samples for x in c.logprobs])
-        log_ratio = all_old - vllm_lp  # trainer vs sampler on the sampled tokens
-        mismatch_kl = float((torch.exp(log_ratio) - 1 - log_ratio).mean()) if len(vllm_lp) else 0.0
-        mean_entropy = float(torch.cat(entropies).mean()) if sum(new_tokens) else 0.0
+        mine = sorted(old_logps)
+        trainer_lp = torch.cat([old_logps[i] for i in mine] or [torch.zeros(0)]).float().cpu()
+        vllm_lp = torch.tensor([x for i in mine for x in samples[i][1].logprobs])
+        log_ratio = trainer_lp - vllm_lp  # trainer vs sampler on the sampled tokens
+        mismatch_kl = dist.mean_all(torch.exp(log_ratio) - 1 - log_ratio)
+        mismatch_max = dist.max_all(float(log_ratio.abs().max()) if len(log_ratio) else 0.0)
+        mean_entropy = dist.mean_all(torch.cat([entropies[i] for i in mine] or [torch.zeros(0)]).float().cpu())
         # 4. adaptive entropy control, once per step before the update (every GRPO row has an empty prefix)
         if args.entropy_control:
             k_entropy = update_entropy_offset(k_entropy, mean_entropy, args)
         clip_high = args.clip_high + (k_entropy if args.entropy_control else 0.0)
 
-        # 5. PPO update: one epoch, num_minibatches consecutive minibatches, each one optimizer step
+        # 5. PPO update: one epoch, num_minibatches consecutive minibatches, each one optimizer step. Loss
+        #    denominators count the whole minibatch, so each rank's share adds up to the one-process loss.
         model.train()
         stats = {"policy_loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "clip_dual": 0.0, "approx_kl": 0.0,
                  "kl_ref": 0.0}
@@ -564,7 +605,10 @@ def main(args: Args) -> dict:
                 continue
             denom = sum(new_tokens[i] for i in mb_idx) if args.loss_agg == "token-mean" else len(mb_idx)
             optimizer.zero_grad(set_to_none=True)
-            for micro in make_micro_batches(mb_idx, lengths, args.micro_batch_tokens):
+            for micro in dist.even(make_micro_batches(dist.mine(mb_idx), lengths, args.micro_batch_tokens)):
+                if not micro:
+                    dist.idle_pass(model)
+                    continue
                 ids = pad_batch([seqs[i] for i in micro], tokenizer.pad_token_id, device)
                 with autocast(device):
                     logp, _ = sequence_logprobs(model, ids, [starts[i] for i in micro], [new_tokens[i] for i in micro],
@@ -582,12 +626,14 @@ def main(args: Args) -> dict:
                 stats["policy_loss"] += float(loss.detach()) / args.num_minibatches
                 for key in ("clip_low", "clip_high", "clip_dual", "approx_kl"):
                     stats[key] += float(st[key].detach().float().sum()) / sum(new_tokens)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norm = dist.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
             if torch.isfinite(grad_norm):
-                optimizer.step()
+                dist.step(optimizer, device, args.offload_optimizer)
             else:  # a non-finite gradient would poison the weights; skip this minibatch's step
                 skipped += 1
             grad_norms.append(float(grad_norm))
+        model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
+        stats = {k: dist.sum_all(v) for k, v in stats.items()}  # each rank summed its own rows
         t_train = time.time() - t0
 
         # 6. the engine serves the new weights from the next rollout on
@@ -595,7 +641,7 @@ def main(args: Args) -> dict:
         engine.wake_up(llm, model)
         t_sync = time.time() - t0
 
-        # 7. log
+        # 7. log (rank 0)
         r = rewards_t.view(-1, args.group_size)
         scalars = {
             "charts/decoding_flops": total_flops, "charts/generated_tokens": total_tokens,
@@ -611,31 +657,33 @@ def main(args: Args) -> dict:
             "losses/clipfrac_low": stats["clip_low"], "losses/clipfrac_high": stats["clip_high"],
             "losses/clipfrac_dual": stats["clip_dual"], "losses/approx_kl": stats["approx_kl"],
             "losses/entropy": mean_entropy, "losses/eps_high": clip_high, "losses/grad_norm": float(np.mean(grad_norms)),
-            "losses/skipped_steps": skipped, "sampling/mismatch_kl": mismatch_kl,
-            "sampling/mismatch_max": float(log_ratio.abs().max()) if len(vllm_lp) else 0.0,
+            "losses/skipped_steps": skipped, "sampling/mismatch_kl": mismatch_kl, "sampling/mismatch_max": mismatch_max,
             "time/generate": t_generate, "time/score": t_score, "time/train": t_train, "time/sync": t_sync,
         }
         if ref_model is not None:
             scalars["losses/kl_ref"] = stats["kl_ref"]
-        for key, value in scalars.items():
-            writer.add_scalar(key, value, step)
-        if args.log_completions_every and step % args.log_completions_every == 0:
-            shown = "\n\n".join(f"**reward {rewards[j]:.2f}**\n```\n{texts[j][-2000:]}\n```" for j in range(min(4, n)))
-            writer.add_text("samples/completions", shown, step)
+        if master:
+            for key, value in scalars.items():
+                writer.add_scalar(key, value, step)
+            if args.log_completions_every and step % args.log_completions_every == 0:
+                shown = "\n\n".join(f"**reward {rewards[j]:.2f}**\n```\n{texts[j][-2000:]}\n```"
+                                     for j in range(min(4, n)))
+                writer.add_text("samples/completions", shown, step)
         if args.eval_every and (step % args.eval_every == 0 or step == args.num_steps):
             last_eval = evaluate(step)
-        print(f"step {step}/{args.num_steps} | reward {scalars['train/reward_mean']:.3f} | eval {last_eval:.3f} | "
-              f"len {scalars['train/response_len_mean']:.0f} | kl {mismatch_kl:.1e} | gen {t_generate:.1f}s "
-              f"score {t_score:.1f}s train {t_train:.1f}s sync {t_sync:.2f}s", flush=True)
+        if master:
+            print(f"step {step}/{args.num_steps} | reward {scalars['train/reward_mean']:.3f} | eval {last_eval:.3f} | "
+                  f"len {scalars['train/response_len_mean']:.0f} | kl {mismatch_kl:.1e} | gen {t_generate:.1f}s "
+                  f"score {t_score:.1f}s train {t_train:.1f}s sync {t_sync:.2f}s", flush=True)
 
         # 8. checkpoint
         if args.save_every and (step % args.save_every == 0 or step == args.num_steps):
-            path = save_checkpoint(Path(args.checkpoint_dir) / run_name, step, model, tokenizer, optimizer,
-                                   {"run_name": run_name, "entropy_k": k_entropy, "decoding_flops": total_flops,
-                                    "generated_tokens": total_tokens}, args.keep_checkpoints)
-            print(f"saved {path}")
+            path = save(step)
+            if master:
+                print(f"saved {path}")
 
-    writer.close()
+    if master:
+        writer.close()
     if verifier is not None:
         verifier.close()
     return {"run_name": run_name, "eval/mean_score": last_eval}

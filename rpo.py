@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -31,10 +29,10 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
-from common import engine
+from common import dist, engine
 from common.data import load_rows
 from common.judges import AnswerVerifier, extract_final_answer
-from common.tiny import tiny_model_path, tiny_reward
+from common.tiny import resolve_model, tiny_reward
 
 OPEN_RS_PROMPT = (  # open-rs style: think first, answer in \boxed{} (spec/rpo.md "Defaults")
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. The "
@@ -90,6 +88,8 @@ class Args:
     """held-out problems (same formats as --dataset; the paper evaluated MATH-500, AIME, AMC, ...)"""
     eval_split: str = "test"
     """split of the evaluation dataset"""
+    eval_problem_field: str = "problem"
+    """problem field of the evaluation set"""
     eval_answer_field: str = "answer"
     """gold answer field of the evaluation set"""
     eval_limit: int | None = None
@@ -116,8 +116,10 @@ class Args:
     """temperature of the cache's initial answers (released code)"""
     cache_init_top_p: float = 0.9
     """top-p of the cache's initial answers (released code)"""
-    cache_init_max_tokens: int = 2048
-    """length limit of the cache's initial answers (released code)"""
+    cache_init_max_tokens: int | None = None
+    """length limit of the cache's first answers (default: --max-response-tokens, the paper's maximum generation
+    length; with a continuation budget of m no response ever outgrows its cached answer, so a first answer cut
+    at 2,048 before its final answer could never be finished). The released code used 2,048"""
     length_alpha: float = 0.01
     """alpha of the length-aware reward sigma(alpha * (l_ref - len)); 0 disables the shaping"""
     length_min: float = 0.5
@@ -157,6 +159,8 @@ class Args:
     """AdamW peak learning rate (cosine decay after a linear warm-up)"""
     warmup_frac: float = 0.1
     """share of the steps spent warming the learning rate up"""
+    min_lr_rate: float = 0.1
+    """the cosine decays to this fraction of the peak (released recipe: `cosine_with_min_lr`, min_lr_rate 0.1)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -173,6 +177,12 @@ class Args:
     """recompute decoder activations in the backward pass (GPU only)"""
     gpu_memory_utilization: float = 0.4
     """share of GPU memory vLLM may take (it sleeps while the trainer works)"""
+    vllm_sleep_level: int = 2
+    """vLLM sleep level while the trainer works: 2 drops the engine's weights (the sync rewrites them), 1 keeps
+    them in CPU memory"""
+    offload_optimizer: bool = False
+    """keep the AdamW state (8 bytes per parameter) in CPU memory except during its step (GPU; see the README's
+    memory plan for when this makes a model fit)"""
 
     # --- evaluation and logging ---
     eval_every: int = 20
@@ -197,7 +207,7 @@ def tiny_args() -> Args:
     return Args(
         tiny=True, model="tiny", dataset="tiny", eval_dataset="tiny", eval_split="test", prompt_template="{problem}",
         train_limit=512, epochs=6, problems_per_step=32, group_size=6, max_response_tokens=200, temperature=1.0,
-        learning_rate=1e-4, warmup_frac=0.1, cache_init_max_tokens=200, cache_init_temperature=1.0,
+        learning_rate=1e-4, warmup_frac=0.1, cache_init_temperature=1.0,
         cache_init_top_p=1.0, micro_batch_tokens=16_384, save_every=0, eval_every=10, eval_samples=4,
         eval_temperature=1.0, eval_top_p=1.0, eval_max_tokens=200, log_completions_every=10,
     )
@@ -248,6 +258,21 @@ def loss_span(prompt_len: int, prefix_len: int, continuation_len: int, prefix_in
     return start, prompt_len + prefix_len + continuation_len - start
 
 
+def cache_init_limit(args: Args) -> int:
+    """Length limit of the cache's first answers: --cache-init-max-tokens, else the maximum generation length."""
+    return args.cache_init_max_tokens or args.max_response_tokens
+
+
+def lr_factor(step: int, warmup: int, total: int, min_rate: float) -> float:
+    """Learning rate / peak before optimizer step `step` (0-based): linear warm-up over `warmup` steps (the first
+    step already at 1/warmup), then a cosine from 1 down to `min_rate` at the last step (the released recipe,
+    transformers' `cosine_with_min_lr` with min_lr_rate 0.1)."""
+    if step + 1 < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step + 1 - warmup) / max(1, total - warmup))
+    return min_rate + (1 - min_rate) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Eq. 6: (R_i - mean R) / std R per group (unbiased std + 1e-4, as TRL; equal rewards give 0).
     DAPO normalises the same way; it differs in aggregation, clip-higher and the absent KL."""
@@ -288,9 +313,21 @@ def _chunk_logprobs(hidden, targets, weight, bias, temperature: float):
     return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
+def final_hidden_states(model, input_ids):
+    """The decoder's output (after the final norm), computed by the model's own forward -- so that a sharded
+    trainer's hooks gather the weights -- with the vocabulary logits of only the last position."""
+    out = {}
+    hook = model.get_decoder().norm.register_forward_hook(lambda module, args, output: out.setdefault("h", output))
+    try:
+        model(input_ids=input_ids, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return out["h"]
+
+
 def sequence_logprobs(model, input_ids, starts, lengths, temperature: float, chunk: int):
     """Log-probs of input_ids[b, starts[b] : starts[b] + lengths[b]], LM head in checkpointed chunks."""
-    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state
+    hidden = final_hidden_states(model, input_ids)
     rows = torch.cat([torch.full((n,), b, dtype=torch.long) for b, n in enumerate(lengths)]).to(input_ids.device)
     cols = torch.cat([torch.arange(s - 1, s - 1 + n) for s, n in zip(starts, lengths)]).to(input_ids.device)
     h, targets = hidden[rows, cols], input_ids[rows, cols + 1]
@@ -333,34 +370,6 @@ def autocast(device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, state: dict, keep: int) -> Path:
-    """Written aside, then renamed: a kill mid-save never spoils the last good checkpoint."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    final, tmp = run_dir / f"step_{step}", run_dir / f".step_{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "policy")
-    tokenizer.save_pretrained(tmp / "policy")
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng, **state}, tmp / "trainer_state.pt")
-    if final.exists():
-        os.replace(final, run_dir / f".step_{step}.old")
-    os.replace(tmp, final)
-    shutil.rmtree(run_dir / f".step_{step}.old", ignore_errors=True)
-    for old in sorted(run_dir.glob("step_*"), key=lambda p: int(p.name[5:]))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def find_checkpoint(path: str) -> Path:
-    p = Path(path)
-    if (p / "trainer_state.pt").exists():
-        return p
-    steps = sorted((d for d in p.glob("step_*") if (d / "trainer_state.pt").exists()), key=lambda d: int(d.name[5:]))
-    if not steps:
-        raise SystemExit(f"--resume {path!r}: no checkpoint there (expected trainer_state.pt or step_<N> folders).")
-    return steps[-1]
-
-
 # ----------------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------------
@@ -368,43 +377,48 @@ def main(args: Args) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
 
-    resume_dir = find_checkpoint(args.resume) if args.resume else None
-    ckpt = torch.load(resume_dir / "trainer_state.pt", weights_only=False) if resume_dir else None
+    # one process per GPU under torchrun, each holding all of the algorithm's state (common/dist.py)
+    rank, world, device = dist.init()
+    master = rank == 0
+    resume_dir = dist.find_checkpoint(args.resume) if args.resume else None
+    ckpt = dist.read_state(resume_dir) if resume_dir else None
     run_name = args.run_name or (ckpt["run_name"] if ckpt else f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_name = dist.from_rank0(run_name)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dapo = args.objective == "dapo"
     clip_high = args.dapo_clip_high if dapo else args.clip_high
     kl_coef = 0.0 if dapo else args.kl_coef
 
     train_rows = load_rows(args.dataset, args.dataset_split, [args.problem_field, args.answer_field], args.train_limit)
-    eval_rows = load_rows(args.eval_dataset, args.eval_split, [args.problem_field, args.eval_answer_field],
+    eval_rows = load_rows(args.eval_dataset, args.eval_split, [args.eval_problem_field, args.eval_answer_field],
                           args.eval_limit) if args.eval_every else []
-    model_path = tiny_model_path() if args.model == "tiny" else args.model
+    model_path = resolve_model(args.model)
     try:
         config = AutoConfig.from_pretrained(model_path)
         tok = AutoTokenizer.from_pretrained(model_path)
     except Exception as e:
         raise SystemExit(f"could not load model {args.model!r}: {str(e).splitlines()[0][:300]}") from None
     model = AutoModelForCausalLM.from_pretrained(resume_dir / "policy" if resume_dir else model_path,
-                                                 dtype=torch.float32).to(device)
+                                                 dtype=torch.float32)  # fp32 master weights
     if device.type == "cuda" and args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    model = dist.shard(model, device)  # FSDP2 under a process group (common/dist.py)
     ref_model = None
     if kl_coef > 0:  # frozen initial policy for the k3 KL term
-        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+        ref_model = dist.shard(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), device).eval()
         ref_model.requires_grad_(False)
     num_steps = math.ceil(args.epochs * len(train_rows) / args.problems_per_step)
     warmup = max(1, int(args.warmup_frac * num_steps))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (
-        1 + math.cos(math.pi * max(0, s + 1 - warmup) / max(1, num_steps - warmup)))))  # released code: cosine
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
+                                  fused=device.type == "cuda")  # fused: no full-size temporary on GPU
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup, num_steps, args.min_lr_rate))
     prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in train_rows]
-    eval_prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in eval_rows]
-    longest = max(args.max_response_tokens, args.eval_max_tokens, args.cache_init_max_tokens)
+    eval_prompts = [encode_prompt(tok, args.prompt_template, r[args.eval_problem_field]) for r in eval_rows]
+    cache_init_max_tokens = cache_init_limit(args)
+    longest = max(args.max_response_tokens, args.eval_max_tokens, cache_init_max_tokens)
     llm = engine.create_engine(model_path, max_model_len=max(map(len, prompts + eval_prompts)) + longest + 8,
                                seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization)
     flops_A, flops_B = engine.decoding_flops_coefficients(config)
@@ -419,37 +433,42 @@ def main(args: Args) -> dict:
     # --- state a checkpoint carries: the cache, each problem's previous shortest response, counters ---
     cache: dict[int, list[int]] = {}  # problem -> cached answer token ids (prefix source)
     cache_correct: dict[int, float] = {}
+    cache_finished: dict[int, bool] = {}  # has a final answer; an unfinished entry is only ever cut shorter
     previous_shortest: dict[int, int] = {}
     start_step, total_flops, total_tokens = 0, 0, 0
     if ckpt:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        dist.load_checkpoint(resume_dir, model, {"optimizer": optimizer})
         schedule.load_state_dict(ckpt["schedule"])
         cache, cache_correct, previous_shortest = ckpt["cache"], ckpt["cache_correct"], ckpt["previous_shortest"]
+        cache_finished = ckpt["cache_finished"]
         start_step, total_flops, total_tokens = ckpt["step"], ckpt["decoding_flops"], ckpt["generated_tokens"]
-        random.setstate(ckpt["rng"]["python"])
-        np.random.set_state(ckpt["rng"]["numpy"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        print(f"resumed from {resume_dir} at step {start_step}")
+        if master:
+            print(f"resumed from {resume_dir} at step {start_step}")
+    if args.offload_optimizer:
+        dist.offload_state(optimizer, "cpu")
     engine.sync_weights(llm, model)
 
-    writer = SummaryWriter(f"runs/{run_name}")
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v!r}|" for k, v in vars(args).items()))
-    if args.track:
-        import wandb
+    writer = SummaryWriter(f"runs/{run_name}") if master else None  # rank 0 logs
+    if master:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v!r}|" for k, v in vars(args).items()))
+        if args.track:
+            import wandb
 
-        wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
+            wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
 
     def fill_cache(problems: list[int], step: int) -> int:
         """Cache pool initialisation (Section 3.1, Eq. 1): one answer per problem from the current policy,
         right or wrong. Its decoding counts in charts/decoding_flops. Returns the tokens decoded."""
         params = [SamplingParams(temperature=args.cache_init_temperature, top_p=args.cache_init_top_p,
-                                 max_tokens=args.cache_init_max_tokens, seed=request_seed(args.seed, -2, step, p))
+                                 max_tokens=cache_init_max_tokens, seed=request_seed(args.seed, -2, step, p))
                   for p in problems]
         answers = engine.generate(llm, [prompts[p] for p in problems], params)
         texts = [tok.decode(a[0].token_ids, skip_special_tokens=True) for a in answers]
         rewards = verify(texts, [train_rows[p] for p in problems], args.answer_field, args.dataset == "tiny")
-        for p, a, r in zip(problems, answers, rewards):
+        for p, a, r, t in zip(problems, answers, rewards, texts):
             cache[p], cache_correct[p] = list(a[0].token_ids), r
+            cache_finished[p] = extract_final_answer(t) is not None
         nonlocal total_flops
         total_flops += sum(engine.decoding_flops(flops_A, flops_B, len(prompts[p]), len(a[0].token_ids))
                            for p, a in zip(problems, answers))
@@ -464,18 +483,21 @@ def main(args: Args) -> dict:
         texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
         score = float(np.mean(verify(texts, [r for r in eval_rows for _ in range(args.eval_samples)],
                                      args.eval_answer_field, args.eval_dataset == "tiny")))
-        writer.add_scalar("eval/mean_score", score, step)
-        writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])), step)
-        writer.add_scalar("time/eval", time.time() - t0, step)
+        if master:
+            writer.add_scalar("eval/mean_score", score, step)
+            writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])),
+                              step)
+            writer.add_scalar("time/eval", time.time() - t0, step)
         return score
 
     if start_step == 0 and args.cache_init == "eager":
         t0 = time.time()
         total_tokens += fill_cache(list(range(len(train_rows))), 0)
-        print(f"cache initialised: {len(cache)} answers, {np.mean(list(cache_correct.values())):.3f} correct, "
-              f"{time.time() - t0:.1f}s")
+        if master:
+            print(f"cache initialised: {len(cache)} answers, {np.mean(list(cache_correct.values())):.3f} correct, "
+                  f"{time.time() - t0:.1f}s")
     last_eval = evaluate(0) if args.eval_every and start_step == 0 else float("nan")
-    if start_step == 0:
+    if start_step == 0 and master:
         writer.add_scalar("charts/decoding_flops", total_flops, 0)
         writer.add_scalar("charts/generated_tokens", total_tokens, 0)
         print(f"step 0 | eval {last_eval:.3f}")
@@ -499,7 +521,7 @@ def main(args: Args) -> dict:
                                  max_tokens=max(1, b), logprobs=0, seed=request_seed(args.seed, step, j))
                   for j, b in enumerate(budgets)]
         groups = engine.generate(llm, [prompts[p] + pre for p, pre in zip(batch, prefixes)], params)
-        engine.sleep(llm)
+        engine.sleep(llm, args.vllm_sleep_level)
         samples = [(j, c) for j in range(len(batch)) for c in groups[j]]  # group-major
         new_tokens = [len(c.token_ids) for _, c in samples]
         total_tokens += sum(new_tokens) + lazy_tokens
@@ -527,10 +549,16 @@ def main(args: Args) -> dict:
         spans = [loss_span(len(prompts[batch[j]]), len(prefixes[j]), len(c.token_ids), args.prefix_in_loss)
                  for j, c in samples]
         loss_start, loss_len = [s for s, _ in spans], [n for _, n in spans]
-        old_lp, ref_lp = [None] * len(seqs), [None] * len(seqs)
+        old_lp, ref_lp = {}, {}  # for the rows this process trains (row i: rank i % world under torchrun)
         model.eval()
         with torch.no_grad(), autocast(device):
-            for mb in make_micro_batches(list(range(len(seqs))), [len(s) for s in seqs], args.micro_batch_tokens):
+            for mb in dist.even(make_micro_batches(dist.mine(range(len(seqs))), [len(s) for s in seqs],
+                                                   args.micro_batch_tokens)):
+                if not mb:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
+                    dist.idle_pass(model)
+                    if ref_model is not None:
+                        dist.idle_pass(ref_model)
+                    continue
                 ids = pad_batch([seqs[i] for i in mb], tok.pad_token_id, device)
                 st, ln = [loss_start[i] for i in mb], [loss_len[i] for i in mb]
                 lp = sequence_logprobs(model, ids, st, ln, args.temperature, args.logprob_chunk_tokens)
@@ -539,8 +567,9 @@ def main(args: Args) -> dict:
                 for i, a, b in zip(mb, lp.split(ln), rf.split(ln)):
                     old_lp[i], ref_lp[i] = a, b
         # sampler vs trainer on the sampled continuation tokens (the tail of each row's trained tokens)
-        vllm_lp = torch.tensor([x for _, c in samples for x in c.logprobs])
-        trainer_lp = torch.cat([old_lp[i][loss_len[i] - new_tokens[i]:] for i in range(len(seqs))]).cpu()
+        mine = sorted(old_lp)
+        vllm_lp = torch.tensor([x for i in mine for x in samples[i][1].logprobs])
+        trainer_lp = torch.cat([old_lp[i][loss_len[i] - new_tokens[i]:] for i in mine] or [torch.zeros(0)]).float().cpu()
         log_ratio = trainer_lp - vllm_lp
 
         # 4. Update (Eqs. 5-8): GRPO = per-sequence token mean, mean over sequences, + beta * k3 KL;
@@ -555,7 +584,10 @@ def main(args: Args) -> dict:
                 continue
             denom = sum(loss_len[i] for i in mb) if dapo else len(mb)
             optimizer.zero_grad(set_to_none=True)
-            for micro in make_micro_batches(mb, [len(s) for s in seqs], args.micro_batch_tokens):
+            for micro in dist.even(make_micro_batches(dist.mine(mb), [len(s) for s in seqs], args.micro_batch_tokens)):
+                if not micro:
+                    dist.idle_pass(model)
+                    continue
                 ids = pad_batch([seqs[i] for i in micro], tok.pad_token_id, device)
                 ln = [loss_len[i] for i in micro]
                 with autocast(device):
@@ -577,9 +609,11 @@ def main(args: Args) -> dict:
                 stats["policy_loss"] += float(loss.detach()) / args.num_minibatches
                 stats["clipfrac"] += float(clipped.float().sum()) / n_tok
                 stats["approx_kl"] += float(approx_kl.detach().sum()) / n_tok
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norm = dist.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
             if torch.isfinite(grad_norm):
-                optimizer.step()
+                dist.step(optimizer, device, args.offload_optimizer)
+        model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
+        stats = {k: dist.sum_all(v) for k, v in stats.items()}  # each rank summed its own rows
         lr_now = schedule.get_last_lr()[0]
         schedule.step()
         t_train = time.time() - t0
@@ -591,6 +625,7 @@ def main(args: Args) -> dict:
             if args.cache_update == "epsilon":
                 pick = sl[pick_cache_entry([shaped[i] for i in sl], args.cache_epsilon, rng)]
                 cache[p], cache_correct[p] = list(responses[pick]), correct[pick]
+                cache_finished[p] = extract_final_answer(texts[pick]) is not None
         t0 = time.time()
         engine.wake_up(llm, model)
         t_sync = time.time() - t0
@@ -604,36 +639,44 @@ def main(args: Args) -> dict:
             "losses/policy_loss": stats["policy_loss"], "losses/clipfrac": stats["clipfrac"],
             "losses/approx_kl": stats["approx_kl"], "losses/kl_ref": stats["kl_ref"], "losses/grad_norm": float(grad_norm),
             # Monte-Carlo estimate of the token entropy: mean -log p of the sampled continuation tokens
-            "losses/entropy": float(-trainer_lp.mean()) if len(trainer_lp) else 0.0,
-            "sampling/mismatch_kl": float((torch.exp(log_ratio) - 1 - log_ratio).mean()) if len(log_ratio) else 0.0,
+            "losses/entropy": -dist.mean_all(trainer_lp),
+            "sampling/mismatch_kl": dist.mean_all(torch.exp(log_ratio) - 1 - log_ratio),
             "time/generate": t_generate, "time/score": t_score, "time/train": t_train, "time/sync": t_sync,
             "rpo/new_tokens_per_sample": float(np.mean(new_tokens)), "rpo/m_mean": float(np.mean(ms)),
             "rpo/L_mean": float(np.mean(Ls)), "rpo/prefix_len_mean": float(np.mean([len(x) for x in prefixes])),
             "rpo/reward_before_shaping": float(np.mean(correct)), "rpo/reward_after_shaping": float(np.mean(shaped)),
             "rpo/cache_correct_frac": float(np.mean(list(cache_correct.values()))),
             "rpo/cache_len_mean": float(np.mean([len(a) for a in cache.values()])),
+            # entries without a final answer: with a continuation budget of m their groups can never score
+            "rpo/cache_unfinished_frac": 1.0 - float(np.mean(list(cache_finished.values()))),
             "rpo/zero_std_frac": float((rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean()),
         }
-        for key, value in scalars.items():
-            writer.add_scalar(key, value, step)
-        if args.log_completions_every and step % args.log_completions_every == 0:
-            shown = [f"**m={ms[0]}, reward {shaped[i]:.2f}** (prefix ends at `|`)\n```\n"
-                     f"{tok.decode(prefixes[0], skip_special_tokens=True)}|"
-                     f"{tok.decode(samples[i][1].token_ids, skip_special_tokens=True)}\n```" for i in range(2)]
-            writer.add_text("samples/completions", "\n\n".join(shown), step)
+        if master:
+            for key, value in scalars.items():
+                writer.add_scalar(key, value, step)
+            if args.log_completions_every and step % args.log_completions_every == 0:
+                shown = [f"**m={ms[0]}, reward {shaped[i]:.2f}** (prefix ends at `|`)\n```\n"
+                         f"{tok.decode(prefixes[0], skip_special_tokens=True)}|"
+                         f"{tok.decode(samples[i][1].token_ids, skip_special_tokens=True)}\n```" for i in range(2)]
+                writer.add_text("samples/completions", "\n\n".join(shown), step)
         if args.eval_every and (step % args.eval_every == 0 or step == last_step):
             last_eval = evaluate(step)
-        print(f"step {step}/{last_step} | reward {scalars['train/reward_mean']:.3f} acc {scalars['train/accuracy']:.3f}"
-              f" | eval {last_eval:.3f} | new tok/sample {scalars['rpo/new_tokens_per_sample']:.1f} | cache correct "
-              f"{scalars['rpo/cache_correct_frac']:.2f} | gen {t_generate:.1f}s train {t_train:.1f}s", flush=True)
+        if master:
+            print(f"step {step}/{last_step} | reward {scalars['train/reward_mean']:.3f} acc "
+                  f"{scalars['train/accuracy']:.3f} | eval {last_eval:.3f} | new tok/sample "
+                  f"{scalars['rpo/new_tokens_per_sample']:.1f} | cache correct {scalars['rpo/cache_correct_frac']:.2f} | "
+                  f"gen {t_generate:.1f}s train {t_train:.1f}s", flush=True)
         if args.save_every and (step % args.save_every == 0 or step == last_step):
             state = {"run_name": run_name, "schedule": schedule.state_dict(), "cache": cache,
-                     "cache_correct": cache_correct, "previous_shortest": previous_shortest,
+                     "cache_correct": cache_correct, "cache_finished": cache_finished,
+                     "previous_shortest": previous_shortest,
                      "decoding_flops": total_flops, "generated_tokens": total_tokens}
-            path = save_checkpoint(Path(args.checkpoint_dir) / run_name, step, model, tok, optimizer, state,
-                                   args.keep_checkpoints)
-            print(f"saved {path}")
-    writer.close()
+            path = dist.save_checkpoint(Path(args.checkpoint_dir) / run_name, step, model, tok,
+                                        {"optimizer": optimizer}, state, args.keep_checkpoints)
+            if master:
+                print(f"saved {path}")
+    if master:
+        writer.close()
     if verifier is not None:
         verifier.close()
     return {"run_name": run_name, "eval/mean_score": last_eval}

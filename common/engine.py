@@ -9,6 +9,7 @@ Facts this module relies on are in `../shared/notes/vllm-cpu.md`:
   chunked prefill is off there. We seed every request: that is what makes a resumed run sample exactly what
   an uninterrupted one would have.
 - On GPU: bf16, and sleep mode so the trainer gets the memory of the KV cache and weights while it trains.
+- Under torchrun, one engine per rank (`external_launcher`): common/dist.py says how the work is shared.
 """
 
 from __future__ import annotations
@@ -58,12 +59,19 @@ def create_engine(
     cpu_kv_cache_gib: int = 1,
     enable_prefix_caching: bool = True,
 ):
-    """An in-process `vllm.LLM` for `model` (hub id or local folder): bf16 + sleep mode on GPU, fp32 on CPU."""
+    """An in-process `vllm.LLM` for `model` (hub id or local folder): bf16 + sleep mode on GPU, fp32 on CPU.
+
+    Under a process group (torchrun, or any GPU run: common/dist.py) every rank builds its own engine at the
+    same time with `external_launcher` and tensor parallel 1 -- vLLM joins the existing world and each rank
+    samples independently; all ranks use the same seed (vLLM reseeds the whole process with it).
+    """
     gpu = on_gpu()
     if not gpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         _keep_cpu_linear_weights()
     from vllm import LLM
+
+    from common import dist
 
     return LLM(
         model=model,
@@ -78,6 +86,7 @@ def create_engine(
         # log-probabilities of the distribution actually sampled from (after temperature / top-k / top-p),
         # so that they compare with the trainer's log_softmax(logits / T)
         logprobs_mode="processed_logprobs",
+        **(dict(distributed_executor_backend="external_launcher", tensor_parallel_size=1) if dist._on else {}),
     )
 
 
@@ -86,10 +95,22 @@ def generate(llm, prompts: list[list[int]], params) -> list[list[Completion]]:
 
     Returns, per prompt, its `n` completions with new token ids (the end-of-turn token included when it
     was sampled), per-token sampling log-probabilities (request `logprobs=0`) and finish reasons.
+    Under torchrun every rank calls it with the same prompts: each samples every WORLD-th one and all receive
+    every result, so what is sampled depends only on each request's seed, not on the number of ranks.
     """
+    from common import dist
+
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    return dist.shared_map(lambda share: _generate(llm, share), list(zip(prompts, per_prompt)))
+
+
+def _generate(llm, requests: list) -> list[list[Completion]]:
     from vllm.inputs import TokensPrompt
 
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    if not requests:
+        return []
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in requests], [sp for _, sp in requests],
+                           use_tqdm=False)
     result = []
     for out in outputs:
         group = []
@@ -102,18 +123,33 @@ def generate(llm, prompts: list[list[int]], params) -> list[list[Completion]]:
 
 
 def sync_weights(llm, model: torch.nn.Module) -> None:
-    """Push the trainer's current weights into the engine (in place), then drop stale cached prefixes."""
+    """Push the trainer's current weights into the engine (in place), then drop stale cached prefixes.
+
+    One parameter at a time, cast to the engine's dtype as it goes (bf16 on GPU): from a sharded trainer each
+    is gathered whole just before it is loaded and freed after, so no second full copy of the weights ever
+    exists. Every rank must call it (the gathers are collectives), with the same model.
+    """
+    from common import dist
+
+    dtype = torch.bfloat16 if on_gpu() else torch.float32
     tied = getattr(model.config, "tie_word_embeddings", False)
-    # with tied embeddings vLLM has no separate lm_head weight to load (notes/vllm-cpu.md)
-    weights = [(n, p.detach()) for n, p in model.named_parameters() if not (tied and n == "lm_head.weight")]
-    llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(weights=weights))
+
+    def weights():
+        # with tied embeddings vLLM has no separate lm_head weight to load (notes/vllm-cpu.md)
+        for name, p in model.named_parameters():
+            if not (tied and name == "lm_head.weight"):
+                yield name, dist.full(p.detach().to(dtype))
+
+    llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(weights=weights()))
     llm.reset_prefix_cache()
 
 
-def sleep(llm) -> None:
-    """Free the engine's GPU memory for training (level 1: weights to CPU RAM, KV cache dropped)."""
+def sleep(llm, level: int = 2) -> None:
+    """Free the engine's GPU memory for training. Level 2 (the default) drops its weights as well as its KV
+    cache -- the sync after the update overwrites every weight anyway -- where level 1 would copy them to CPU
+    memory and back every step. No-op on CPU (sleep mode is a GPU feature)."""
     if on_gpu():
-        llm.sleep(level=1)
+        llm.sleep(level=level)
 
 
 def wake_up(llm, model: torch.nn.Module | None = None) -> None:

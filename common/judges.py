@@ -94,7 +94,14 @@ class AnswerVerifier:
         return self._pool
 
     def verify(self, golds: list[str], preds: list[str | None]) -> list[float]:
-        """1.0 where `pred` is equivalent to `gold`; 0.0 for a missing pred, a mismatch, an error or a timeout."""
+        """1.0 where `pred` is equivalent to `gold`; 0.0 for a missing pred, a mismatch, an error or a timeout.
+        Under torchrun each rank checks its share and all get every result (common/dist.py)."""
+        from common import dist
+
+        pairs = list(zip(golds, preds))
+        return dist.shared_map(lambda share: self._verify([g for g, _ in share], [p for _, p in share]), pairs)
+
+    def _verify(self, golds: list[str], preds: list[str | None]) -> list[float]:
         futures = {
             i: self._executor().submit(_verify_one, g, p, self.timeout_s)
             for i, (g, p) in enumerate(zip(golds, preds))
@@ -125,7 +132,27 @@ class AnswerVerifier:
 # ----------------------------------------------------------------------------------------------------
 # The LLM judge (OpenAI-compatible endpoint)
 # ----------------------------------------------------------------------------------------------------
-GRADING_PROMPT = """You are an expert grader of olympiad mathematics. Grade the proof below on a scale of 0 to 7.
+# Training grader: the released `finegrained_noref_judge.txt` allows only 7, 6, 1 or 0 points and asks for the grade
+# once (spec/ac2.md "Defaults"). Its wording is not public; the four levels below are in our own words.
+TRAINING_GRADES = (0, 1, 6, 7)
+TRAINING_PROMPT = """You are an expert grader of olympiad mathematics. Grade the proof below with exactly one \
+of these four scores; no other score is allowed:
+- 7: a complete, correct and rigorous proof;
+- 6: a correct proof with a minor gap or slip that is easy to repair;
+- 1: not a proof, but real progress towards one (a correct key idea, lemma or reduction);
+- 0: no real progress, a wrong answer, or claims left unjustified.
+
+## Problem
+{problem}
+
+## Proof to grade
+{proof}
+
+Think about the proof carefully, then give your grade once, at the very end, in exactly this form:
+<points>N out of 7</points>"""
+# Validation grader (IMO-ProofBench style): the full 0-7 scale, with the reference solution and the guidelines.
+VALIDATION_GRADES = tuple(range(8))
+VALIDATION_PROMPT = """You are an expert grader of olympiad mathematics. Grade the proof below on a scale of 0 to 7.
 A complete and rigorous proof earns 7; a proof with minor gaps earns 5-6; substantial progress earns 1-4; \
 no meaningful progress, a wrong answer or an unjustified claim earns 0.
 
@@ -144,24 +171,26 @@ class JudgeResult:
     points: int | None  # 0..7, None when invalid
     reward: float  # points / 7, and 0.0 when invalid
     valid: bool
-    error: str | None = None
+    error: str | None = None  # "HTTP 400", "timeout", "connection error: ...", "unparsable judge output", ...
+    detail: str | None = None  # the server's message or the unparsable answer, shortened (never the API key)
 
 
-def parse_points(text: str | None) -> int | None:
+def parse_points(text: str | None, allowed=VALIDATION_GRADES) -> int | None:
     """Points from the judge's answer channel (spec/ac2.md): `<points>N out of 7</points>`, then
-    `<points>N</points>`, then `N out of 7`; the last match of the first pattern that matches wins.
+    `<points>N</points>`, then `N out of 7`; the *first* match of the first pattern that matches wins (the
+    released parser). A value outside `allowed` (training: 0, 1, 6, 7) is invalid.
 
-    Reasoning before a `</think>` is ignored (answer channel only). Out-of-range values are invalid.
+    Reasoning before a `</think>` is ignored (answer channel only).
     """
     if not text:
         return None
     answer = after_thinking(text)
     for pattern in (r"<points>\s*(\d+)\s*out\s+of\s+7\s*</points>", r"<points>\s*(\d+)\s*</points>",
                     r"\b(\d+)\s*out\s+of\s+7\b"):
-        found = re.findall(pattern, answer, re.IGNORECASE)
-        if found:
-            n = int(found[-1])
-            return n if 0 <= n <= 7 else None
+        m = re.search(pattern, answer, re.IGNORECASE)
+        if m:
+            n = int(m.group(1))
+            return n if n in allowed else None
     return None
 
 
@@ -170,8 +199,8 @@ class JudgeConfig:
     base_url: str
     model: str
     api_key_env: str = "JUDGE_API_KEY"  # the key is read from this environment variable, never logged
-    max_concurrency: int = 64
-    timeout_s: float = 600.0
+    max_concurrency: int = 64  # requests in flight for the whole run (under torchrun, shared by the ranks)
+    timeout_s: float = 1800.0  # the released client's: a 40k-token grading takes minutes
     max_retries: int = 4
     backoff_s: float = 2.0
     temperature: float = 1.0
@@ -189,44 +218,51 @@ class Judge:
         self.cfg = cfg
 
     def grade(self, problems: list[str], proofs: list[str], references: list[str | None] | None = None,
-              guidelines: list[str | None] | None = None) -> list[JudgeResult]:
-        """Grade proofs (blocking; runs its own event loop). Reference and guidelines: validation only."""
+              guidelines: list[str | None] | None = None, validation: bool = False) -> list[JudgeResult]:
+        """Grade proofs (blocking; runs its own event loop). Training: the 7/6/1/0 grader on problem + proof;
+        validation: the 0-7 grader, with each problem's reference solution and grading guidelines if given."""
+        from common import dist
+
         n = len(problems)
         references, guidelines = references or [None] * n, guidelines or [None] * n
-        prompts = [self.prompt(*args) for args in zip(problems, proofs, references, guidelines)]
-        return asyncio.run(self._grade_all(prompts))
+        prompts = [self.prompt(*args, validation=validation) for args in zip(problems, proofs, references, guidelines)]
+        allowed = VALIDATION_GRADES if validation else TRAINING_GRADES
+        # under torchrun each rank grades its share and all get every result (common/dist.py)
+        return dist.shared_map(lambda share: asyncio.run(self._grade_all(share, allowed)), prompts)
 
     def check(self) -> str | None:
-        """One tiny request at start-up, so an unreachable judge fails the run at once: None if it answered."""
-        import openai
+        """At start-up, before any model is loaded: one real training grading request -- the run's own
+        temperature and max_tokens -- so an endpoint that is unreachable, refuses the key or rejects the request
+        shape stops the run at once instead of turning every reward into an invalid 0. None if it graded."""
+        from common import dist
 
-        async def ping():
-            client = openai.AsyncOpenAI(base_url=self.cfg.base_url, timeout=min(self.cfg.timeout_s, 60.0),
-                                        api_key=os.environ.get(self.cfg.api_key_env) or "EMPTY", max_retries=1)
-            try:
-                await client.chat.completions.create(model=self.cfg.model, max_tokens=1,
-                                                     messages=[{"role": "user", "content": "Reply with 0."}])
-            finally:
-                await client.close()
-
-        try:
-            asyncio.run(ping())
-        except openai.APIStatusError as e:
-            return f"HTTP {e.status_code}" + (f" (is ${self.cfg.api_key_env} set?)" if e.status_code in (401, 403) else "")
-        except Exception as e:
-            return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        return None
+        prompt = self.prompt("Prove that the sum of two even integers is even.",
+                             "Write them as 2a and 2b; their sum is 2(a + b), which is even.")
+        # one request for the whole run: under torchrun rank 0 sends it and every rank gets the answer
+        [res] = dist.shared_map(lambda share: asyncio.run(self._grade_all(share, TRAINING_GRADES, max_retries=1)),
+                                [prompt])
+        if res.error is None:
+            return None
+        if res.error == "unparsable judge output":  # it answered the real request: the endpoint works
+            print(f"warning: the judge {self.cfg.model} answered the start-up check without a parsable grade "
+                  f"(<points>N out of 7</points>); such answers count as invalid rewards", flush=True)
+            return None
+        hint = f" (is ${self.cfg.api_key_env} set?)" if res.error in ("HTTP 401", "HTTP 403") else ""
+        return res.error + hint + (f": {res.detail}" if res.detail else "")
 
     @staticmethod
-    def prompt(problem: str, proof: str, reference: str | None = None, guidelines: str | None = None) -> str:
-        return GRADING_PROMPT.format(
+    def prompt(problem: str, proof: str, reference: str | None = None, guidelines: str | None = None,
+               validation: bool = False) -> str:
+        if not validation:
+            return TRAINING_PROMPT.format(problem=problem.strip(), proof=proof.strip())
+        return VALIDATION_PROMPT.format(
             problem=problem.strip(),
             proof=proof.strip(),
             reference_block=f"\n## Reference solution\n{reference.strip()}\n" if reference else "",
             guidelines_block=f"\n## Grading guidelines\n{guidelines.strip()}\n" if guidelines else "",
         )
 
-    async def _grade_all(self, prompts: list[str]) -> list[JudgeResult]:
+    async def _grade_all(self, prompts: list[str], allowed, max_retries: int | None = None) -> list[JudgeResult]:
         import openai
 
         client = openai.AsyncOpenAI(
@@ -235,17 +271,20 @@ class Judge:
             timeout=self.cfg.timeout_s,
             max_retries=0,  # our own retry policy below
         )
-        limit = asyncio.Semaphore(self.cfg.max_concurrency)
+        from common import dist
+
+        limit = asyncio.Semaphore(max(1, self.cfg.max_concurrency // dist.WORLD))  # the run's total, over ranks
+        retries = self.cfg.max_retries if max_retries is None else max_retries
         try:
-            return await asyncio.gather(*(self._grade_one(client, limit, p) for p in prompts))
+            return await asyncio.gather(*(self._grade_one(client, limit, p, allowed, retries) for p in prompts))
         finally:
             await client.close()
 
-    async def _grade_one(self, client, limit: asyncio.Semaphore, prompt: str) -> JudgeResult:
+    async def _grade_one(self, client, limit: asyncio.Semaphore, prompt: str, allowed, retries: int) -> JudgeResult:
         import openai
 
-        error = "no attempt"
-        for attempt in range(self.cfg.max_retries + 1):
+        error, detail = "no attempt", None
+        for attempt in range(retries + 1):
             if attempt:
                 await asyncio.sleep(self.cfg.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random()))
             try:
@@ -260,25 +299,31 @@ class Judge:
                         timeout=self.cfg.timeout_s,
                     )
             except openai.APIStatusError as e:
-                error = f"HTTP {e.status_code}"
+                error, detail = f"HTTP {e.status_code}", _short(getattr(e, "message", None) or str(e))
                 if 400 <= e.status_code < 500 and e.status_code not in (408, 429):
                     break  # not retryable
                 continue
             except (asyncio.TimeoutError, openai.APITimeoutError):
-                error = "timeout"
+                error, detail = "timeout", f"no answer within {self.cfg.timeout_s:.0f} s"
                 continue
             except openai.APIConnectionError as e:
-                error = f"connection error: {type(e).__name__}"
+                error, detail = f"connection error: {type(e).__name__}", _short(str(e.__cause__ or e))
                 continue
             except Exception as e:  # malformed body, unexpected schema: not worth retrying
-                error = f"bad response: {type(e).__name__}"
+                error, detail = f"bad response: {type(e).__name__}", _short(str(e))
                 break
             try:
                 content = resp.choices[0].message.content  # the answer channel; reasoning is a separate field
             except (AttributeError, IndexError, TypeError):
                 content = None
-            points = parse_points(content)
+            points = parse_points(content, allowed)
             if points is None:
-                return JudgeResult(None, 0.0, False, "unparsable judge output")
+                return JudgeResult(None, 0.0, False, "unparsable judge output", _short(content or "(empty)"))
             return JudgeResult(points, points / 7, True)
-        return JudgeResult(None, 0.0, False, error)
+        return JudgeResult(None, 0.0, False, error, detail)
+
+
+def _short(text: str, n: int = 200) -> str:
+    """One line of at most n characters, for messages."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= n else line[: n - 3] + "..."

@@ -92,7 +92,7 @@ class TinyRecipe:
     sft_lr: float = 3e-3
     sft_warmup: int = 50
     seed: int = 0
-    version: int = 7  # bump when the task or the build changes
+    version: int = 8  # bump when the task or the build changes
 
 
 RECIPE = TinyRecipe()
@@ -128,14 +128,16 @@ def tiny_solution(numbers: list[int], rng: random.Random | None = None, error_ra
 
 def tiny_packed_solution(packed: list[list[int]], rng: random.Random | None = None, error_rate: float = 0.0,
                          checks: list[bool] | None = None) -> str:
-    """The response to a packed prompt (ccr.py): for each problem its running sums, then its
-    `Answer k: \\boxed{..}` line, all inside the thinking section, which closes after the last answer."""
+    """The response to a packed prompt (ccr.py): the thinking section closes at once, then for each problem its
+    running sums and its `Answer k: \\boxed{..}` line, in order. The answers sit in the answer section because
+    that is all ccr.py parses once a `</think>` exists (spec/ccr.md: a draft inside the thinking must not count);
+    solving in the answer section, problem by problem, keeps the credit of answers finished before the cap."""
     lines = []
     for k, numbers in enumerate(packed, 1):
         steps, total = _running_sums(numbers, rng, error_rate)
         steps += ["check:"] + steps if checks and checks[k - 1] else []
         lines += steps + [f"Answer {k}: \\boxed{{{total}}}"]
-    return "\n".join(lines) + "\n</think>"
+    return "</think>\n\n" + "\n".join(lines)
 
 
 def tiny_pack_prompt(problems: list[str], budget: int = TINY_PACK_BUDGET) -> str:
@@ -186,12 +188,17 @@ def tiny_reward(response: str, answer: str) -> float:
 # ----------------------------------------------------------------------------------------------------
 # The tokenizer and the model
 # ----------------------------------------------------------------------------------------------------
-def build_tokenizer():
-    """A character-level `PreTrainedTokenizerFast` with Qwen3's special tokens and a Qwen3-like template."""
+def build_tokenizer(vocab_size: int | None = None):
+    """A character-level `PreTrainedTokenizerFast` with Qwen3's special tokens and a Qwen3-like template.
+
+    With `vocab_size`, the vocabulary is padded with filler tokens `<n>` up to that size, so that any id a model
+    of that vocabulary samples decodes to something (text never encodes to them: there are no merges).
+    """
     from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + THINK_TOKENS + CHARS)}
+    vocab.update({f"<{i}>": i for i in range(len(vocab), vocab_size or 0)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per character
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
@@ -199,6 +206,52 @@ def build_tokenizer():
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
     )
+
+
+def resolve_model(name: str) -> str:
+    """What `--model` names: `tiny` (the built-in model), `random:<config.json>` (random weights of that shape) or
+    a hub id / local folder, returned as is."""
+    if name == "tiny":
+        return tiny_model_path()
+    if name.startswith("random:"):
+        return random_model_path(name[len("random:"):])
+    return name
+
+
+def random_model_path(config_file: str, cache_dir: str | os.PathLike | None = None, seed: int = 0) -> str:
+    """A model folder with random weights of `config_file`'s shape (any local `config.json`, e.g. the paper models'
+    in benchmarks/configs/) and the tiny tokenizer padded to its vocabulary: the paper shapes without a hub, for
+    memory and speed checks. Random weights rarely stop, so rollouts run to max_tokens: the worst case for memory.
+    Built once per config (seeded) and cached beside the tiny model; saved in the config's dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(config_file)
+    if not path.is_file():
+        raise SystemExit(f"--model random:{config_file}: no such config.json file.")
+    spec = json.loads(path.read_text())
+    root = Path(cache_dir or os.environ.get("TINY_RL_CACHE") or Path.home() / ".cache" / "tiny-rl")
+    digest = hashlib.sha256(json.dumps([spec, seed], sort_keys=True).encode()).hexdigest()[:10]
+    final = root / f"random-{spec.get('model_type', 'model')}-{digest}"
+    if (final / "config.json").exists():
+        return str(final)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (final / "config.json").exists():
+            tokenizer = build_tokenizer(spec["vocab_size"])
+            fields = {k: v for k, v in spec.items() if k not in ("architectures", "transformers_version")}
+            fields.update(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+            dtype = getattr(torch, str(spec.get("torch_dtype") or spec.get("dtype") or "float32"))
+            print(f"building a random-weight model of {path} ({dtype}) in {final} (once)...", flush=True)
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            tmp = root / f".{final.name}.tmp-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, final)
+    return str(final)
 
 
 def recipe_hash(recipe: TinyRecipe = RECIPE) -> str:
@@ -315,7 +368,7 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> list[float]:
         * 0.5 * (1 + math.cos(math.pi * min(1.0, s / recipe.sft_steps))),
     )
     model.train()
-    losses = []
+    losses, t0 = [], time.time()
     for step in range(recipe.sft_steps):
         # the longer format examples come in batches of their own, to keep padding low
         phase = step % recipe.format_every  # of 8: 1 critic; 3, 5, 7 packed, between the solve batches
@@ -337,5 +390,10 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> list[float]:
         opt.step()
         sched.step()
         losses.append(round(loss.item(), 4))
+        if (step + 1) % 100 == 0 or step == 0:  # a 20-minute build must not run in silence
+            spent = time.time() - t0
+            left = spent / (step + 1) * (recipe.sft_steps - step - 1)
+            print(f"building the tiny model: step {step + 1}/{recipe.sft_steps}, loss {losses[-1]:.3f}, "
+                  f"{spent / 60:.1f} min so far, ~{left / 60:.0f} min left", flush=True)
     model.eval()
     return losses

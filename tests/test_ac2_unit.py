@@ -221,3 +221,38 @@ def test_tiny_models_critic_warm_start_format_is_ac2s_short_critic_prompt():
         instruction=tiny.TINY_CRITIC_INSTRUCTION.format(reference=ref))
     assert got == want
     assert tiny.VALUE_STRINGS == ac2.GRID_STRINGS
+
+
+def test_stale_buffer_holds_every_rollout_of_a_refresh():
+    # the paper's variant: 1,920 fresh rollouts every 10 steps *are* the buffer (issue 11, item 1)
+    assert ac2.buffer_capacity(ac2.Args(stale_every=10)) == 1920
+    assert ac2.buffer_capacity(ac2.Args()) == 256
+    assert ac2.buffer_capacity(ac2.tiny_args()) == 24 and ac2.buffer_capacity(ac2.Args(**{
+        **vars(ac2.tiny_args()), "stale_every": 5})) == 160
+
+
+def test_fresh_problems_without_replacement_and_more_passes_when_asked_for_more_than_the_set():
+    a = ac2.draw_fresh(128, 32, np.random.default_rng([1, 1]))
+    b = np.random.default_rng([1, 1]).choice(128, size=32, replace=False).tolist()
+    assert a == b  # within the data set's size: exactly the old draw, so default runs are unchanged
+    many = ac2.draw_fresh(128, 160 + 16, np.random.default_rng(0))
+    assert len(many) == 176 and sorted(many[:128]) == list(range(128)) and len(set(many[128:])) == 48
+
+
+def test_group_size_one_is_the_whole_w_o_group_and_audit_variant():
+    assert ac2.audit_fraction(ac2.Args()) == 0.25
+    assert ac2.audit_fraction(ac2.Args(group_size_one=True)) == 0.0  # one switch (issue 11, item 2)
+    assert ac2.audit_fraction(ac2.Args(group_size_one=True, audit_frac=0.5)) == 0.5  # explicit wins
+    assert ac2.audit_fraction(ac2.Args(audit_frac=0.0)) == 0.0
+
+
+def test_a_skipped_non_finite_critic_step_counts_toward_halving():
+    a = ac2.Args()
+    lr0 = a.critic_lr
+    assert ac2.ladder_ratio(math.inf, [1.0, 1.0]) == math.inf  # skipped: over the threshold (released code)
+    assert ac2.ladder_ratio(None, [1.0, 1.0]) is None  # no critic step at all
+    assert ac2.ladder_ratio(3.0, [1.0, 0.5]) == pytest.approx(2.0)
+    assert ac2.ladder_ratio(3.0, [0.0, 0.0]) is None
+    lr, streak = ac2.critic_ladder(lr0, 0, ac2.ladder_ratio(math.inf, [1.0, 1.0]), a)
+    assert (lr, streak) == (lr0, 1)
+    assert ac2.critic_ladder(lr, streak, ac2.ladder_ratio(math.inf, [0.0, 0.0]), a) == (lr0 / 2, 0)

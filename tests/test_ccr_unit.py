@@ -1,6 +1,7 @@
 """CCR's rules (spec/ccr.md) pinned to hand-computed values."""
 
 import pytest
+import torch
 
 import ccr
 
@@ -22,12 +23,48 @@ import ccr
     ("Answer 2: \\boxed{5}\nAnswer 1: \\boxed{3}", 2, ["3", None]),
     # a marker without its own boxed answer does not borrow the next problem's
     ("Answer 1: I am not sure.\nAnswer 2: \\boxed{5}", 2, [None, None]),
-    # answers inside the thinking section count (the whole completion is parsed)
-    ("<think>\n1+2=3\nAnswer 1: \\boxed{3}\n</think>\nAnswer 2: \\boxed{9}", 2, ["3", "9"]),
+    # once thinking has ended only the answer section counts: drafts inside it do not (issue 11, item 9)
+    ("<think>\n1+2=3\nAnswer 1: \\boxed{3}\n</think>\nAnswer 2: \\boxed{9}", 2, [None, None]),
+    ("<think>Answer 1: 5 I think.</think>\nAnswer 1: \\boxed{5}\nAnswer 2: \\boxed{6}", 2, ["5", "6"]),
+    ("<think>Answer 1: \\boxed{4}</think>\nAnswer 1: \\boxed{5}", 1, ["5"]),  # a draft box never beats the final
+    ("Answer 1: \\boxed{1}</think>a</think>\nAnswer 1: \\boxed{2}", 1, ["2"]),  # after the *last* </think>
+    # a truncated completion still thinking: the whole text is its answer section
+    ("1+2=3\nAnswer 1: \\boxed{3}\n4+5=9\nAnswer 2: \\boxed{9}\n7+", 3, ["3", "9", None]),
+    # the tiny model's layout: thinking closed at once, then each problem solved and answered in order
+    ("</think>\n\n1+2=3\nAnswer 1: \\boxed{3}\n4+5=9\nAnswer 2: \\boxed{9}", 2, ["3", "9"]),
+    # an empty box is no answer, and ends the run (issue 11, item 10)
+    ("Answer 1: \\boxed{}\nAnswer 2: \\boxed{}\nAnswer 3: \\boxed{}", 3, [None, None, None]),
+    ("Answer 1: \\boxed{3}\nAnswer 2: \\boxed{ }\nAnswer 3: \\boxed{7}", 3, ["3", None, None]),
     ("no answers at all", 2, [None, None]),
 ])
 def test_parse_packed_answers(text, n, want):
     assert ccr.parse_packed_answers(text, n) == want
+
+
+def test_three_empty_boxes_score_nothing_while_one_correct_answer_then_a_cut_scores():
+    n_eff = lambda ans: next((k for k, a in enumerate(ans) if a is None), len(ans))  # noqa: E731 - as score_packs
+    empty = ccr.parse_packed_answers("Answer 1: \\boxed{}\nAnswer 2: \\boxed{}\nAnswer 3: \\boxed{}", 3)
+    assert ccr.packed_reward([0.0] * 3, n_eff(empty), 3, 1.0, 0.5)[0] == 0.0  # was 0.5 (N_eff 3, r_fmt 1)
+    one = ccr.parse_packed_answers("Answer 1: \\boxed{3}\nAnswer 2: \\boxed{1", 3)
+    assert ccr.packed_reward([1.0, 0.0, 0.0], n_eff(one), 3, 1.0, 0.5)[0] == pytest.approx(1 / 3 + 0.5 / 3)
+
+
+def test_advantages_divide_by_a_stabilised_group_std_by_default():
+    assert ccr.Args().std_normalize  # the paper's Section 2
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5])
+    adv = ccr.group_advantages(r, 4, ccr.Args().std_normalize)
+    std = torch.tensor([1.0, 0.0, 0.0, 0.0]).std().item()  # unbiased: 0.5
+    assert adv.tolist() == pytest.approx([0.75 / (std + 1e-4), -0.25 / (std + 1e-4)] + [-0.25 / (std + 1e-4)] * 2
+                                         + [0.0] * 4)  # equal rewards: 0, not a division by zero
+    assert ccr.group_advantages(r, 4, False).tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0])
+
+
+def test_batch_defaults_follow_the_papers_tokens_per_step_and_step_count():
+    a = ccr.Args()
+    # ~175k tokens per step (4B) at ~5.5k tokens per completion = 32 completions; 1,000 packs, steps 1-1,000
+    assert a.packs_per_step * a.group_size == 32 and 174_957 / 32 == pytest.approx(5_467, abs=1)
+    steps_per_epoch = -(-(a.subset_size // a.pack_size) // a.packs_per_step)
+    assert a.epochs * steps_per_epoch == 1000
 
 
 def test_reward_values_including_truncated_after_two_correct_answers():

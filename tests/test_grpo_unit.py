@@ -8,6 +8,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import grpo
+from common import dist
 
 
 def test_group_advantages_mean_only_and_std():
@@ -122,7 +123,7 @@ def test_checkpoint_is_atomic_when_killed_mid_save(tmp_path, small_model, monkey
 
     tok = build_tokenizer()
     opt = torch.optim.AdamW(small_model.parameters())
-    good = grpo.save_checkpoint(tmp_path, 2, small_model, tok, opt, {"entropy_k": 0.1}, keep=2)
+    good = dist.save_checkpoint(tmp_path, 2, small_model, tok, {"optimizer": opt}, {"entropy_k": 0.1}, keep=2)
     real_save = torch.save
 
     def dying_save(obj, path, *a, **k):
@@ -131,14 +132,14 @@ def test_checkpoint_is_atomic_when_killed_mid_save(tmp_path, small_model, monkey
 
     monkeypatch.setattr(torch, "save", dying_save)
     with pytest.raises(KeyboardInterrupt):
-        grpo.save_checkpoint(tmp_path, 4, small_model, tok, opt, {"entropy_k": 0.2}, keep=2)
+        dist.save_checkpoint(tmp_path, 4, small_model, tok, {"optimizer": opt}, {"entropy_k": 0.2}, keep=2)
     monkeypatch.setattr(torch, "save", real_save)
     assert not (tmp_path / "step_4").exists()
-    assert grpo.find_checkpoint(str(tmp_path)) == good
+    assert dist.find_checkpoint(str(tmp_path)) == good
     assert torch.load(good / "trainer_state.pt", weights_only=False)["entropy_k"] == 0.1
     # a later save cleans the leftovers and rotation keeps the newest `keep`
     for s in (4, 6, 8):
-        grpo.save_checkpoint(tmp_path, s, small_model, tok, opt, {}, keep=2)
+        dist.save_checkpoint(tmp_path, s, small_model, tok, {"optimizer": opt}, {}, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_6", "step_8"]
     with pytest.raises(SystemExit, match="no checkpoint"):
-        grpo.find_checkpoint(str(tmp_path / "nothing"))
+        dist.find_checkpoint(str(tmp_path / "nothing"))

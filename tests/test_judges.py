@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from common.judges import (AnswerVerifier, Judge, JudgeConfig, extract_boxed, extract_final_answer, extract_proof,
-                           parse_points)
+from common.judges import (TRAINING_GRADES, AnswerVerifier, Judge, JudgeConfig, extract_boxed, extract_final_answer,
+                           extract_proof, parse_points)
 
 KEY = "sk-test-secret-123"
 
@@ -19,6 +19,8 @@ class StubJudge(BaseHTTPRequestHandler):
 
     hits: dict = {}
     lock = threading.Lock()
+    max_tokens_limit: int | None = None  # like an endpoint whose model allows fewer output tokens than asked
+    requests: list = []
 
     def log_message(self, *args):
         pass
@@ -29,8 +31,11 @@ class StubJudge(BaseHTTPRequestHandler):
         mode = prompt.split("MODE:")[1].split()[0] if "MODE:" in prompt else "ok7"
         with self.lock:
             n = self.hits[mode] = self.hits.get(mode, 0) + 1
+            self.requests.append(body)
         if self.headers.get("Authorization") != f"Bearer {KEY}":
             return self._send(401, {"error": {"message": "bad key"}})
+        if self.max_tokens_limit is not None and body.get("max_tokens", 0) > self.max_tokens_limit:
+            return self._send(400, {"error": {"message": f"max_tokens must be <= {self.max_tokens_limit}"}})
         if mode == "flaky" and n <= 2:
             return self._send(500, {"error": {"message": "overloaded"}})
         if mode == "always500":
@@ -47,6 +52,7 @@ class StubJudge(BaseHTTPRequestHandler):
             return
         content = {
             "ok7": "Looks complete.\n<points>7 out of 7</points>",
+            "ok6": "A small slip.\n<points>6 out of 7</points>",
             "ok3": "Gaps.\n<points>3 out of 7</points>",
             "garbage": "I refuse to grade this.",
             "channel": "<think>maybe <points>7 out of 7</points></think>Final: <points>2 out of 7</points>",
@@ -70,7 +76,7 @@ class StubJudge(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def server(monkeypatch):
-    StubJudge.hits = {}
+    StubJudge.hits, StubJudge.requests, StubJudge.max_tokens_limit = {}, [], None
     srv = ThreadingHTTPServer(("127.0.0.1", 0), StubJudge)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     monkeypatch.setenv("STUB_JUDGE_KEY", KEY)
@@ -93,15 +99,15 @@ def test_judge_grades_retries_and_maps_every_failure_to_invalid_zero(server, cap
     results = make_judge(server).grade([f"P MODE:{m} " for m in modes], ["proof"] * len(modes))
     by = dict(zip(modes, results))
     assert (by["ok7"].points, by["ok7"].reward, by["ok7"].valid) == (7, 1.0, True)
-    assert (by["ok3"].reward, by["ok3"].valid) == (3 / 7, True)
+    assert not by["ok3"].valid and by["ok3"].error == "unparsable judge output"  # 3: not a training grade
     assert by["flaky"].valid and by["flaky"].points == 7 and StubJudge.hits["flaky"] == 3  # 2 x 500, then ok
     assert not by["always500"].valid and StubJudge.hits["always500"] == 4  # 1 try + 3 retries
     assert not by["bad400"].valid and StubJudge.hits["bad400"] == 1  # 4xx: never retried
     assert not by["hang"].valid and by["hang"].error == "timeout"
     assert not by["garbage"].valid and by["garbage"].error == "unparsable judge output"
     assert not by["garbage_body"].valid
-    assert by["channel"].points == 2  # only the answer channel counts
-    assert by["reasoning_field"].points == 4  # a separate reasoning field is ignored
+    assert not by["channel"].valid  # only the answer channel counts, and 2 is not a training grade
+    assert not by["reasoning_field"].valid  # a separate reasoning field is ignored (4: not a training grade)
     for r in results:
         if not r.valid:
             assert r.reward == 0.0 and r.points is None
@@ -134,16 +140,40 @@ def test_judge_unreachable_endpoint_fails_fast():
     assert judge.check() is not None
 
 
-def test_judge_prompt_has_reference_and_guidelines_only_when_given():
-    plain = Judge.prompt("Prob", "Proof")
-    full = Judge.prompt("Prob", "Proof", "Ref sol", "Rubric")
+def test_judge_prompts_training_four_levels_validation_with_reference_and_guidelines():
+    train = Judge.prompt("Prob", "Proof", "Ref sol", "Rubric")  # training never shows a reference
+    assert "Ref sol" not in train and "Rubric" not in train and "Prob" in train and "Proof" in train
+    assert all(f"- {n}:" in train for n in (7, 6, 1, 0)) and "no other score" in train
+    plain = Judge.prompt("Prob", "Proof", validation=True)
+    full = Judge.prompt("Prob", "Proof", "Ref sol", "Rubric", validation=True)
     assert "Ref sol" not in plain and "Reference solution" not in plain and "Grading guidelines" not in plain
     assert "Ref sol" in full and "Rubric" in full and full.index("Prob") < full.index("Ref sol") < full.index("Proof")
+    assert "scale of 0 to 7" in full
+
+
+def test_validation_grades_the_full_scale(server):
+    [res] = make_judge(server).grade(["P MODE:ok3"], ["p"], ["ref"], ["rubric"], validation=True)
+    assert (res.points, res.valid) == (3, True)
+    [res] = make_judge(server).grade(["P MODE:ok6"], ["p"])
+    assert (res.points, res.reward, res.valid) == (6, 6 / 7, True)
+
+
+def test_check_sends_the_real_request_shape_and_names_the_refusal(server):
+    judge = make_judge(server, max_tokens=40_000, temperature=1.0)
+    assert judge.check() is None
+    sent = StubJudge.requests[-1]
+    assert sent["max_tokens"] == 40_000 and sent["temperature"] == 1.0 and "Proof to grade" in \
+        sent["messages"][0]["content"]
+    StubJudge.max_tokens_limit = 8192  # an endpoint that would refuse every real grading request
+    err = judge.check()
+    assert err is not None and "HTTP 400" in err and "max_tokens must be <= 8192" in err
+    [res] = judge.grade(["P"], ["proof"])
+    assert not res.valid and res.error == "HTTP 400"
 
 
 @pytest.mark.parametrize("text,points", [
     ("<points>6 out of 7</points>", 6),
-    ("blah <points> 5 out of 7 </points> then <points>3 out of 7</points>", 3),  # the last one
+    ("blah <points> 5 out of 7 </points> then <points>3 out of 7</points>", 5),  # the first one (released parser)
     ("<points>4</points>", 4),  # first fallback
     ("I'd give it 2 out of 7.", 2),  # second fallback
     ("<points>7 out of 7</points> but <points>1</points>", 7),  # the preferred pattern wins over fallbacks
@@ -155,6 +185,16 @@ def test_judge_prompt_has_reference_and_guidelines_only_when_given():
 ])
 def test_parse_points(text, points):
     assert parse_points(text) == points
+
+
+@pytest.mark.parametrize("text,points", [
+    ("<points>7 out of 7</points>", 7), ("<points>6 out of 7</points>", 6), ("<points>1 out of 7</points>", 1),
+    ("<points>0 out of 7</points>", 0),
+    ("<points>5 out of 7</points>", None), ("<points>3 out of 7</points>", None),  # no partial credit in training
+    ("<points>6 out of 7</points> ... on reflection <points>7 out of 7</points>", 6),  # asked once: the first
+])
+def test_training_grader_allows_only_7_6_1_0(text, points):
+    assert parse_points(text, TRAINING_GRADES) == points
 
 
 def test_extraction_helpers():
@@ -183,3 +223,36 @@ def test_math_verify_cases_and_timeout_safety():
         assert out == [[1.0]]
     finally:
         v.close()
+
+
+@pytest.mark.parametrize("script", ["grpo", "ac2"])
+def test_a_step_with_most_judge_calls_failed_warns_with_causes_and_extends_the_streak(script):
+    import importlib
+
+    streak_of = importlib.import_module(script).judge_failure_streak
+    ok, bad400, timeout = (None, None), ("HTTP 400", "max_tokens must be <= 8192"), ("timeout", "no answer")
+    streak, warning = streak_of([bad400, bad400, timeout, ok], 0)
+    assert streak == 1 and warning == ("3 of 4 judge calls failed: HTTP 400 x2 (max_tokens must be <= 8192); "
+                                       "timeout x1 (no answer)")
+    assert streak_of([bad400] * 3, 2)[0] == 3  # the third such step in a row: the run stops (default 3)
+    assert streak_of([bad400, ok], 2) == (0, None)  # exactly half is not "more than half": the streak ends
+    assert streak_of([], 2) == (0, None)  # no judge calls this step (no proofs): nothing to judge the judge by
+
+
+def test_scripts_check_the_judge_before_loading_any_model(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    (tmp_path / "p.jsonl").write_text('{"problem": "Prove that 1 = 1."}\n')
+    missing = str(tmp_path / "no-such-model")  # loading it first would fail with "could not load model"
+    judge = ["--judge-base-url", "http://127.0.0.1:9/v1", "--judge-max-retries", "0", "--eval-every", "0"]
+    for script, data in (("grpo.py", ["--reward", "judge", "--dataset", "tiny"]),
+                         ("ac2.py", ["--dataset", str(tmp_path / "p.jsonl")])):
+        proc = subprocess.run([sys.executable, str(ROOT / script), "--model", missing, *data, *judge], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode != 0
+        assert "the judge" in proc.stderr and "connection error" in proc.stderr, proc.stderr[-2000:]
+        assert "could not load model" not in proc.stderr

@@ -77,3 +77,20 @@ def test_prefix_in_loss_changes_exactly_which_tokens_carry_loss():
     start, n = rpo.loss_span(len(prompt), len(prefix), len(cont), prefix_in_loss=False)
     assert seq[start : start + n] == cont
     assert rpo.loss_span(7, 0, 3, True) == rpo.loss_span(7, 0, 3, False) == (7, 3)  # no prefix: same either way
+
+
+def test_first_answers_are_as_long_as_the_maximum_generation_length_unless_asked():
+    assert rpo.cache_init_limit(rpo.Args()) == rpo.Args().max_response_tokens == 4096
+    assert rpo.cache_init_limit(rpo.Args(cache_init_max_tokens=2048)) == 2048  # the released code's limit
+    assert rpo.cache_init_limit(rpo.tiny_args()) == 200
+
+
+def test_learning_rate_warms_up_then_decays_by_cosine_to_a_tenth_of_the_peak():
+    total, warmup = 100, 10
+    f = [rpo.lr_factor(s, warmup, total, rpo.Args().min_lr_rate) for s in range(total)]
+    assert f[0] == pytest.approx(0.1) and f[4] == pytest.approx(0.5) and f[9] == pytest.approx(1.0)
+    assert f[-1] == pytest.approx(0.1)  # the floor, not 0 (cosine_with_min_lr, min_lr_rate 0.1)
+    mid = warmup - 1 + (total - warmup) // 2  # half way through the decay: (1 + 0.1) / 2
+    assert f[mid] == pytest.approx(0.55)
+    assert all(a >= b for a, b in zip(f[9:], f[10:])) and min(f) == pytest.approx(0.1)
+    assert rpo.lr_factor(total - 1, warmup, total, 0.0) == pytest.approx(0.0)  # min_rate 0: the old schedule

@@ -1,0 +1,282 @@
+"""Data parallelism: one process per GPU under `torchrun`, an FSDP2-sharded trainer and a vLLM engine per rank.
+
+`python grpo.py ...` on a CPU is one process and nothing here communicates. `torchrun --nproc_per_node 8
+grpo.py ...` (or `--nnodes N ...`) runs one process per GPU, each with its own in-process vLLM engine -- the
+layout TRL calls "colocate" (facts verified on CPU: ../shared/notes/distributed-cpu.md). The algorithm is
+written once, for the whole batch, and reads the same at any world size because:
+
+- **Every rank holds all of the algorithm's state, identical everywhere.** Each rank samples and scores its
+  share of a step's requests (every WORLD-th, `shared_map`), with seeds from each request's *global* index, and
+  receives everyone's results; buffers, readiness tables, caches and packs then evolve alike on every rank.
+- **Each rank trains its share of the rows** (`mine`), with loss denominators counted over the global batch,
+  and FSDP2 *sums* gradients over ranks, so an update equals the one-process update. Ranks run as many
+  micro-batches as each other (`even`, `idle_pass`): FSDP's collectives must match.
+- **Rank 0 writes** logs and the HF-format policy; optimizer states are saved sharded
+  (`torch.distributed.checkpoint`), so a run resumes at any world size.
+
+On a GPU every run is sharded, a single GPU too (a one-process group): FSDP2 keeps fp32 master weights and
+optimizer states, computes in bf16 and reduces gradients in fp32. On a CPU under torchrun, fp32 throughout.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+RANK, WORLD = 0, 1  # this process's rank and the number of processes (set by `init`)
+_on = False  # a process group is up and the trainer is sharded
+_cpu_group = None  # gloo group for Python objects and scalars (off the GPU even when training uses NCCL)
+
+
+def init() -> tuple[int, int, torch.device]:
+    """Rank, world size and device of this process; starts the process group when there is one to start.
+
+    Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR... in the environment): NCCL on GPUs, gloo on CPUs. A plain
+    `python` run on a GPU gets a one-process group, so that the GPU path is always FSDP2 in bf16; on a CPU it
+    stays a plain process. Call it before building the engine (vLLM joins the existing world).
+    """
+    global RANK, WORLD, _on, _cpu_group
+    gpu = torch.cuda.is_available()
+    if "RANK" not in os.environ and not gpu:
+        return 0, 1, torch.device("cpu")
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if gpu else "gloo", device_id=device if gpu else None)
+    RANK, WORLD, _on = dist.get_rank(), dist.get_world_size(), True
+    _cpu_group = dist.new_group(backend="gloo") if gpu else dist.group.WORLD
+    return RANK, WORLD, device
+
+
+def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The trainer on `device`: as is in a plain process; else FSDP2 -- each decoder layer, then the root.
+
+    On GPU the parameters stay fp32 (the optimizer's master copy) and are gathered in bf16 for compute, with
+    fp32 gradient reduction. Gradients are summed over ranks, not averaged: each rank's loss is already its
+    share of the global minibatch's mean, so the sum is the one-process gradient.
+    """
+    if not _on:
+        return model.to(device)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (WORLD,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
+        else MixedPrecisionPolicy()
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings, final norm, LM head (moves shards to device)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+    return model
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a sharded one (an all-gather: every rank must call it), or `t` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor (no communication), or `t` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sharing the work of a step
+# ----------------------------------------------------------------------------------------------------
+def shared_map(fn, items: list) -> list:
+    """`fn` over this rank's share of `items` (every WORLD-th, from RANK), everyone's results gathered back in
+    order: every rank calls it with the same items and gets the results for all of them."""
+    if WORLD == 1:
+        return fn(items)
+    parts: list = [None] * WORLD
+    dist.all_gather_object(parts, fn(items[RANK::WORLD]), group=_cpu_group)
+    out: list = [None] * len(items)
+    for r, part in enumerate(parts):
+        out[r::WORLD] = part
+    return out
+
+
+def mine(indices) -> list[int]:
+    """The rows this rank trains: row i belongs to rank i % WORLD, whatever subset a minibatch holds."""
+    return [i for i in indices if i % WORLD == RANK]
+
+
+def even(micro_batches: list[list[int]]) -> list[list[int]]:
+    """This rank's micro-batches, padded with empty ones to the largest count of any rank (run `idle_pass` for
+    those): FSDP gathers and reduces at every forward and backward, and a rank that skips one hangs the others."""
+    if WORLD == 1:
+        return micro_batches
+    n = torch.tensor([len(micro_batches)])
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=_cpu_group)
+    return micro_batches + [[] for _ in range(int(n) - len(micro_batches))]
+
+
+def idle_pass(model: torch.nn.Module) -> None:
+    """A forward on one token (and, with gradients on, a backward of zero): it changes nothing but keeps this
+    rank's FSDP collectives in step with ranks that still have rows."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=local(next(model.parameters())).device)
+    logits = model(input_ids=ids, logits_to_keep=1).logits
+    if torch.is_grad_enabled():
+        (logits.sum() * 0.0).backward()
+
+
+def sum_all(x: float) -> float:
+    """x summed over ranks (every rank must call it)."""
+    if WORLD == 1:
+        return float(x)
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t, group=_cpu_group)
+    return float(t)
+
+
+def max_all(x: float) -> float:
+    """The largest x of any rank (every rank must call it)."""
+    if WORLD == 1:
+        return float(x)
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group)
+    return float(t)
+
+
+def mean_all(values: torch.Tensor, default: float = 0.0) -> float:
+    """The mean of every rank's `values` together (not a mean of means); `default` when there are none."""
+    total, count = sum_all(float(values.double().sum()) if len(values) else 0.0), sum_all(len(values))
+    return total / count if count else default
+
+
+def from_rank0(obj):
+    """Rank 0's value of `obj` on every rank (e.g. a run name made from the clock)."""
+    if WORLD == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=_cpu_group)
+    return box[0]
+
+
+def barrier() -> None:
+    if WORLD > 1:
+        dist.barrier(group=_cpu_group)
+
+
+def offload_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move an optimizer's state (AdamW: two fp32 tensors per parameter) to `device`, e.g. to the CPU while it
+    is idle and back for its step. Nothing to do on a CPU machine."""
+    for state in optimizer.state.values():
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.device != torch.device(device) and k != "step":
+                state[k] = v.to(device, non_blocking=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def step(optimizer: torch.optim.Optimizer, device: torch.device, offload: bool) -> None:
+    """`optimizer.step()`; with `offload`, the state comes to `device` for the step and goes back to CPU memory."""
+    if offload:
+        offload_state(optimizer, device)
+    optimizer.step()
+    if offload:
+        offload_state(optimizer, "cpu")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints: written aside then renamed, so a kill mid-save never spoils the last good one
+# ----------------------------------------------------------------------------------------------------
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizers: dict, state: dict, keep: int) -> Path:
+    """Everything a run needs to continue, as `run_dir/step_<step>` (every rank must call it).
+
+    policy/: the weights in HF format, gathered and written by rank 0; trainer_state.pt: the step and `state`
+    (the algorithm's, identical on every rank), by rank 0; optimizer/: each optimizer's state through
+    torch.distributed.checkpoint, every rank its shard (loadable at any world size); rng_<rank>.pt: each rank's
+    random states. Under torchrun across nodes `run_dir` must be on a filesystem every node sees.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    final, tmp = run_dir / f"step_{step}", run_dir / f".step_{step}.tmp"
+    if RANK == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier()
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
+        if _on else None  # a collective; rank 0 receives the full weights on CPU
+    if RANK == 0:
+        model.save_pretrained(tmp / "policy", state_dict=weights)
+        tokenizer.save_pretrained(tmp / "policy")
+        torch.save({"step": step, "world_size": WORLD, **state}, tmp / "trainer_state.pt")
+    with warnings.catch_warnings():  # one process: DCP says it saves without a process group, as it should
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        dcp.save({name: get_optimizer_state_dict(model, opt) for name, opt in optimizers.items()},
+                 checkpoint_id=tmp / "optimizer", process_group=_cpu_group, no_dist=not _on)
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, tmp / f"rng_{RANK}.pt")
+    barrier()
+    if RANK == 0:
+        if final.exists():  # re-saving a step after a resume: swap, never leave no checkpoint behind
+            os.replace(final, run_dir / f".step_{step}.old")
+        os.replace(tmp, final)
+        shutil.rmtree(run_dir / f".step_{step}.old", ignore_errors=True)
+        for old in sorted(run_dir.glob("step_*"), key=lambda p: int(p.name[5:]))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def find_checkpoint(path: str) -> Path:
+    """A step_<N> folder, or a run folder's latest complete one."""
+    p = Path(path)
+    if (p / "trainer_state.pt").exists():
+        return p
+    steps = sorted((d for d in p.glob("step_*") if (d / "trainer_state.pt").exists()), key=lambda d: int(d.name[5:]))
+    if not steps:
+        raise SystemExit(f"--resume {path!r}: no checkpoint there (expected trainer_state.pt or step_<N> folders).")
+    return steps[-1]
+
+
+def read_state(folder: Path) -> dict:
+    """A checkpoint's trainer_state.pt (the step and the algorithm's state), on the CPU."""
+    return torch.load(folder / "trainer_state.pt", map_location="cpu", weights_only=False)
+
+
+def load_checkpoint(folder: Path, model, optimizers: dict) -> None:
+    """Restore the optimizers' states (resharded to this world size; each state lands where its parameters
+    are) and this rank's random states (rank 0's when the checkpoint had fewer ranks). The weights are loaded
+    by the caller, from folder/policy, before sharding."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    states = {name: get_optimizer_state_dict(model, opt) for name, opt in optimizers.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        dcp.load(states, checkpoint_id=folder / "optimizer", process_group=_cpu_group, no_dist=not _on)
+    for name, opt in optimizers.items():
+        set_optimizer_state_dict(model, opt, states[name])
+    rng_file = folder / f"rng_{RANK}.pt"
+    rng = torch.load(rng_file if rng_file.exists() else folder / "rng_0.pt", map_location="cpu", weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
