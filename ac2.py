@@ -110,6 +110,8 @@ class Args:
     """grading guidelines field (given to the judge at validation only)"""
     eval_limit: int | None = None
     """use only the first N evaluation problems"""
+    train_eval_problems: int = 64
+    """training problems (a fixed seeded sample) also evaluated at every evaluation, as eval/train_score (0: off)"""
     prompt_template: str = ACTOR_PROMPT
     """user message; `{problem}` is replaced by the problem (default: the paper's actor prompt)"""
     judge_base_url: str = "https://api.deepseek.com/v1"
@@ -280,6 +282,7 @@ def tiny_args() -> Args:
         short_critic_instruction=True, learning_rate=1e-4, max_grad_norm=1.0, temperature=1.0, save_every=0,
         micro_batch_tokens=16_384, critic_context_extra=256, single_cut_grid=4, stale_size=160,
         eval_every=10, eval_samples=4, eval_temperature=1.0, eval_top_p=1.0, eval_top_k=-1, eval_max_tokens=200,
+        train_eval_problems=128,
     )
 
 
@@ -719,10 +722,17 @@ def main(args: Args) -> dict:
                                    eps=1e-8, fused=device.type == "cuda")
     prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in train_rows]
     eval_prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in eval_rows]
+    # a fixed sample of training problems, evaluated like the held-out ones (eval/train_score)
+    train_eval_rows = [train_rows[i] for i in sorted(random.Random(args.seed).sample(
+        range(len(train_rows)), min(args.train_eval_problems, len(train_rows))))] if args.eval_every else []
+    train_eval_prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in train_eval_rows]
     max_len = max(map(len, prompts + eval_prompts)) + max(args.budget, args.eval_max_tokens) + args.critic_context_extra
     max_len = min(max_len, getattr(config.get_text_config(), "max_position_embeddings", max_len))
+    peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
+    peaks.start()
     llm = engine.create_engine(model_path, max_model_len=max_len, seed=args.seed,
                                gpu_memory_utilization=args.gpu_memory_utilization)
+    peaks.end("engine_start")
     flops_A, flops_B = engine.decoding_flops_coefficients(config)
 
     def find_proof(text: str) -> str | None:
@@ -793,6 +803,16 @@ def main(args: Args) -> dict:
                               step)
             writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])),
                               step)
+        if train_eval_prompts:  # the same sampling on training problems (training grader): the train / held-out gap
+            params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
+                                     top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
+                                     seed=request_seed(args.seed, -4, i)) for i in range(len(train_eval_prompts))]
+            groups = engine.generate(llm, train_eval_prompts, params)
+            texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+            scored, _ = judge_texts(texts, [r for r in train_eval_rows for _ in range(args.eval_samples)])
+            if master:
+                writer.add_scalar("eval/train_score", float(np.mean([(p or 0) / 7 for p, _ in scored])), step)
+        if master:
             writer.add_scalar("time/eval", time.time() - t0, step)
         return score
 
@@ -841,6 +861,7 @@ def main(args: Args) -> dict:
             g.max_tokens = min(args.chunk_tokens, remaining) if g.lane in ("short", "single") else remaining
 
         # 3. Generate: one request per group, the prefix appended to the templated prompt
+        peaks.start()
         params = [SamplingParams(n=1 if g.lane in ("refill", "single") else args.group_size,
                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                  max_tokens=max(g.max_tokens, 1), logprobs=0, seed=request_seed(args.seed, step, i))
@@ -889,6 +910,7 @@ def main(args: Args) -> dict:
                 probe_noref[gi] = (value, overflow)
             else:
                 critic_values[(gi, ri)] = None if overflow else value  # an overflowing context is invalid
+        peaks.end("rollout")  # the rollouts and the critic wave
         engine.sleep(llm, args.vllm_sleep_level)
         t_critic = time.time() - t0
 
@@ -986,6 +1008,7 @@ def main(args: Args) -> dict:
         n_new = [len(g.rows[ri].token_ids) for g, ri in all_rows]
         old_lp, ent = {}, {}
         model.eval()
+        peaks.start()
         with torch.no_grad(), autocast(device):
             for mb in dist.even(make_micro_batches(dist.mine(range(len(all_rows))), [len(s) for s in seqs],
                                                    args.micro_batch_tokens)):
@@ -997,6 +1020,7 @@ def main(args: Args) -> dict:
                                            args.temperature, args.logprob_chunk_tokens, with_entropy=True)
                 for j, a, b in zip(mb, lp.split([n_new[i] for i in mb]), en.split([n_new[i] for i in mb])):
                     old_lp[j], ent[j] = a, b
+        peaks.end("old_logprobs")
         n_train = len(train_rows_list)
         empty_prefix_ent = [e for j, e in sorted(ent.items()) if not all_rows[j][0].prefix]  # refill, cold, cut at 0
         mean_entropy = dist.mean_all(torch.cat(empty_prefix_ent or [torch.zeros(0)]).float().cpu(),
@@ -1027,6 +1051,7 @@ def main(args: Args) -> dict:
             for group_ in critic_opt.param_groups:
                 group_["lr"] = critic_lr
             critic_opt.zero_grad(set_to_none=True)
+            peaks.start()
             total = 0.0
             for micro in dist.even(make_micro_batches(dist.mine(range(len(critic_rows))),
                                                       [len(r[0]) for r in critic_rows], args.micro_batch_tokens)):
@@ -1047,6 +1072,7 @@ def main(args: Args) -> dict:
             if not (math.isfinite(total) and torch.isfinite(grad_norm)):  # skip a non-finite step; the ladder
                 return total, math.inf  # counts it as a step over the threshold (released code)
             dist.step(critic_opt, device, offload=True)  # its state visits the GPU for this step only
+            peaks.end("critic_step")
             return total, displacement(model, before)
 
         # 10c. Actor minibatch 1 -> one critic step -> actor minibatch 2 (shared weights, separate AdamW)
@@ -1064,6 +1090,7 @@ def main(args: Args) -> dict:
                 continue
             denom = sum(n_new[i] for i in mb)  # token mean over each minibatch
             actor_opt.zero_grad(set_to_none=True)
+            peaks.start()
             for micro in dist.even(make_micro_batches(dist.mine(mb), [len(s) for s in seqs], args.micro_batch_tokens)):
                 if not micro:
                     dist.idle_pass(model)
@@ -1080,10 +1107,13 @@ def main(args: Args) -> dict:
                 stats["policy_loss"] += float(loss.detach()) / args.num_minibatches
                 for key, val in st.items():
                     stats[key] += float(val.detach().float().sum()) / max(n_tok, 1)
+            peaks.end("backward")
             before = snapshot(model)
             grad_norm = dist.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
             if torch.isfinite(grad_norm):
+                peaks.start()
                 dist.step(actor_opt, device, args.offload_optimizer)
+                peaks.end("optimizer_step")
             grad_norms.append(float(grad_norm))
             d_actor.append(displacement(model, before))
         if args.num_minibatches == 1:
@@ -1097,7 +1127,9 @@ def main(args: Args) -> dict:
 
         # 11. Sync, log, evaluate, checkpoint
         t0 = time.time()
+        peaks.start()
         engine.wake_up(llm, model)
+        peaks.end("wake_up")
         t_sync = time.time() - t0
         judged_rewards = [(p or 0) / 7 for p, _ in judged]
         step_errors = [p.error for p in probes if p.error is not None]
@@ -1127,6 +1159,7 @@ def main(args: Args) -> dict:
         for lane in ("refill", "cold", "full", "short", "audit", "single"):
             scalars[f"ac2/tokens_{lane}"] = lane_tokens[lane]
         scalars["ac2/new_tokens_per_sample"] = sum(lane_tokens.values()) / max(1, sum(len(g.rows) for g in groups))
+        scalars.update(peaks.pop())
         if master:
             for key, value in scalars.items():
                 writer.add_scalar(key, value, step)

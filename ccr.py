@@ -90,6 +90,8 @@ class Args:
     """field holding the gold final answer"""
     difficulty_field: str = "difficulty"
     """field holding a numeric difficulty (packs are stratified by it)"""
+    train_limit: int | None = None
+    """use only the first N training problems (before --subset-size)"""
     subset_size: int | None = 3000
     """train on a seeded random subset of this many problems (the paper: 3,000 -> 1,000 packs); None: all"""
     eval_dataset: str = "HuggingFaceH4/MATH-500"
@@ -102,6 +104,9 @@ class Args:
     """gold answer field of the evaluation set"""
     eval_limit: int | None = None
     """use only the first N evaluation problems"""
+    train_eval_problems: int = 64
+    """training problems (a fixed seeded sample) also evaluated, one at a time, at every evaluation, as
+    eval/train_score (0: off)"""
 
     # --- packing and reward ---
     pack_size: int = 3
@@ -189,13 +194,13 @@ def tiny_args() -> Args:
     them, so truncation really happens; evaluation samples the policy itself at T = 1 as for every script."""
     return Args(
         tiny=True, model="tiny", dataset="tiny", problem_field="problem", answer_field="answer",
-        difficulty_field="difficulty", subset_size=3072, eval_dataset="tiny", eval_split="test",
+        difficulty_field="difficulty", train_limit=3072, subset_size=None, eval_dataset="tiny", eval_split="test",
         eval_problem_field="problem", eval_answer_field="answer", budget=TINY_PACK_BUDGET,
         pack_template=TINY_PACK_TEMPLATE, problem_format=TINY_PACK_PROBLEM, problem_separator=TINY_PACK_SEPARATOR,
         single_template="{problem}", packs_per_step=32, group_size=4,
         temperature=1.0, learning_rate=1e-4, epochs=3, micro_batch_tokens=16_384, save_every=0, eval_every=10,
         eval_samples=4, eval_temperature=1.0, eval_top_p=1.0, eval_top_k=-1, eval_max_tokens=200,
-        packed_eval_sizes=(1, 2, 3, 4), log_completions_every=10,
+        packed_eval_sizes=(1, 2, 3, 4), log_completions_every=10, train_eval_problems=256,
     )
 
 
@@ -356,7 +361,7 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
 
     fields = [args.problem_field, args.answer_field, args.difficulty_field]
-    rows = load_rows(args.dataset, args.dataset_split, fields)
+    rows = load_rows(args.dataset, args.dataset_split, fields, args.train_limit)
     if args.subset_size and args.subset_size < len(rows):  # the paper's 3,000-problem subset, seeded
         keep = np.random.default_rng([args.seed, 7]).choice(len(rows), args.subset_size, replace=False)
         rows = [rows[i] for i in sorted(keep.tolist())]
@@ -394,11 +399,19 @@ def main(args: Args) -> dict:
         return encode_chat(tok, args.pack_template.format(n=len(problems), budget=args.budget, problems=listed))
 
     eval_prompts = [encode_chat(tok, args.single_template.format(problem=r[args.eval_problem_field])) for r in eval_rows]
+    # a fixed sample of training problems, evaluated one at a time like the held-out ones (eval/train_score)
+    train_eval_rows = [rows[i] for i in sorted(random.Random(args.seed).sample(
+        range(len(rows)), min(args.train_eval_problems, len(rows))))] if args.eval_every else []
+    train_eval_prompts = [encode_chat(tok, args.single_template.format(problem=r[args.problem_field]))
+                          for r in train_eval_rows]
     longest_pack = max(len(pack_prompt([r[args.problem_field] for r in rows[i : i + args.pack_size]]))
                        for i in range(0, min(len(rows), 300), args.pack_size))
     max_len = max(longest_pack + args.budget, max(map(len, eval_prompts or [[0]])) + args.eval_max_tokens) + 256
+    peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
+    peaks.start()
     llm = engine.create_engine(model_path, max_model_len=max_len, seed=args.seed,
                                gpu_memory_utilization=args.gpu_memory_utilization)
+    peaks.end("engine_start")
     flops_A, flops_B = engine.decoding_flops_coefficients(config)
     verifier = AnswerVerifier()  # its worker processes start on first use only
 
@@ -458,6 +471,16 @@ def main(args: Args) -> dict:
         score = float(np.mean(xs))
         logged = {"eval/mean_score": score,
                   "eval/tokens_per_problem": float(np.mean([len(c.token_ids) for g in groups for c in g]))}
+        if train_eval_prompts:  # the same single-problem sampling on training problems: the train / held-out gap
+            params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
+                                     top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
+                                     seed=request_seed(args.seed, -4, i)) for i in range(len(train_eval_prompts))]
+            groups = engine.generate(llm, train_eval_prompts, params)
+            texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+            golds = [r for r in train_eval_rows for _ in range(args.eval_samples)]
+            answers = [extract_final_answer(t) for t in texts]
+            logged["eval/train_score"] = float(np.mean(verify([str(r[args.answer_field]) for r in golds], answers,
+                                                              args.dataset == "tiny")))
         for n in args.packed_eval_sizes:
             eval_packs = [eval_rows[i : i + n] for i in range(0, len(eval_rows) - n + 1, n)]
             prompts_n = [pack_prompt([r[args.eval_problem_field] for r in p]) for p in eval_packs]
@@ -490,7 +513,9 @@ def main(args: Args) -> dict:
         params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                  max_tokens=args.budget, logprobs=0, seed=request_seed(args.seed, step, j))
                   for j in range(len(batch))]
+        peaks.start()
         groups = engine.generate(llm, prompts, params)
+        peaks.end("rollout")
         engine.sleep(llm, args.vllm_sleep_level)
         samples = [(j, c) for j in range(len(batch)) for c in groups[j]]  # group-major
         new_tokens = [len(c.token_ids) for _, c in samples]
@@ -514,6 +539,7 @@ def main(args: Args) -> dict:
         starts = [len(prompts[j]) for j, _ in samples]
         old_lp = {}  # for the rows this process trains (row i: rank i % world under torchrun)
         model.eval()
+        peaks.start()
         with torch.no_grad(), autocast(device):
             for mb in dist.even(make_micro_batches(dist.mine(range(len(seqs))), [len(s) for s in seqs],
                                                    args.micro_batch_tokens)):
@@ -525,6 +551,7 @@ def main(args: Args) -> dict:
                                        args.temperature, args.logprob_chunk_tokens)
                 for i, a in zip(mb, lp.split([new_tokens[i] for i in mb])):
                     old_lp[i] = a
+        peaks.end("old_logprobs")
         mine = sorted(old_lp)
         trainer_lp = torch.cat([old_lp[i] for i in mine] or [torch.zeros(0)]).float().cpu()
         log_ratio = trainer_lp - torch.tensor([x for i in mine for x in samples[i][1].logprobs])
@@ -540,6 +567,7 @@ def main(args: Args) -> dict:
                 continue
             denom = sum(new_tokens[i] for i in mb)
             optimizer.zero_grad(set_to_none=True)
+            peaks.start()
             for micro in dist.even(make_micro_batches(dist.mine(mb), [len(s) for s in seqs], args.micro_batch_tokens)):
                 if not micro:
                     dist.idle_pass(model)
@@ -556,14 +584,19 @@ def main(args: Args) -> dict:
                 stats["policy_loss"] += float(loss.detach()) / args.num_minibatches
                 stats["clipfrac"] += float(clipped.float().sum()) / n_tok
                 stats["approx_kl"] += float(approx_kl.detach().sum()) / n_tok
+            peaks.end("backward")
             grad_norm = dist.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
             if torch.isfinite(grad_norm):
+                peaks.start()
                 dist.step(optimizer, device, args.offload_optimizer)
+                peaks.end("optimizer_step")
         model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
         stats = {k: dist.sum_all(v) for k, v in stats.items()}  # each rank summed its own rows
         t_train = time.time() - t0
         t0 = time.time()
+        peaks.start()
         engine.wake_up(llm, model)
+        peaks.end("wake_up")
         t_sync = time.time() - t0
 
         # 5. Log, evaluate, checkpoint
@@ -586,6 +619,7 @@ def main(args: Args) -> dict:
         }
         for k in range(args.pack_size + 1):
             scalars[f"ccr/n_eff_frac_{k}"] = float(np.mean([e == k for e in n_eff]))
+        scalars.update(peaks.pop())
         if master:
             for key, value in scalars.items():
                 writer.add_scalar(key, value, step)

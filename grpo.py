@@ -94,6 +94,8 @@ class Args:
     """grading guidelines field given to the judge at evaluation only (--reward judge)"""
     eval_limit: int | None = None
     """use only the first N evaluation problems"""
+    train_eval_problems: int = 64
+    """training problems (a fixed seeded sample) also evaluated at every evaluation, as eval/train_score (0: off)"""
     prompt_template: str = AC2_PROMPT
     """user message; `{problem}` is replaced by the problem (default: the AC2 paper's actor prompt)"""
     reward: Literal["judge", "verifier"] = "judge"
@@ -210,7 +212,7 @@ def tiny_args() -> Args:
         prompt_template="{problem}", reward="verifier", num_steps=100, problems_per_step=32, group_size=8,
         max_response_tokens=200, temperature=1.0, learning_rate=1e-4, max_grad_norm=1.0, save_every=0,
         micro_batch_tokens=16_384, eval_every=10, eval_samples=4, eval_temperature=1.0, eval_top_p=1.0,
-        eval_top_k=-1, eval_max_tokens=200,
+        eval_top_k=-1, eval_max_tokens=200, train_eval_problems=256,
     )
 
 
@@ -457,11 +459,18 @@ def main(args: Args) -> dict:
                                   betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")  # fused: no temporary
     prompts = [encode_prompt(tokenizer, args.prompt_template, r[args.problem_field]) for r in train_rows]
     eval_prompts = [encode_prompt(tokenizer, args.prompt_template, r[args.problem_field]) for r in eval_rows]
+    # a fixed sample of training problems, evaluated like the held-out ones (eval/train_score)
+    train_eval_rows = [train_rows[i] for i in sorted(random.Random(args.seed).sample(
+        range(len(train_rows)), min(args.train_eval_problems, len(train_rows))))] if args.eval_every else []
+    train_eval_prompts = [encode_prompt(tokenizer, args.prompt_template, r[args.problem_field]) for r in train_eval_rows]
     longest_prompt = max(map(len, prompts + eval_prompts))
+    peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
+    peaks.start()
     llm = engine.create_engine(
         model_path, max_model_len=longest_prompt + max(args.max_response_tokens, args.eval_max_tokens) + 8,
         seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
     )
+    peaks.end("engine_start")
     flops_A, flops_B = engine.decoding_flops_coefficients(config)
     verifier = AnswerVerifier() if args.reward == "verifier" and args.dataset != "tiny" else None
 
@@ -514,6 +523,17 @@ def main(args: Args) -> dict:
                 writer.add_scalar("eval/judge_invalid", float(np.mean([not v for v in valid])), step)
             writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])),
                               step)
+        if train_eval_prompts:  # the same sampling on training problems: the train / held-out gap
+            params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
+                                     top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
+                                     seed=request_seed(args.seed, -4, i)) for i in range(len(train_eval_prompts))]
+            groups = engine.generate(llm, train_eval_prompts, params)
+            texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+            rows = [r for r in train_eval_rows for _ in range(args.eval_samples)]
+            train_score = float(np.mean(score_responses(args, texts, rows, verifier=verifier, judge=judge)[0]))
+            if master:
+                writer.add_scalar("eval/train_score", train_score, step)
+        if master:
             writer.add_scalar("time/eval", time.time() - t0, step)
         return score
 
@@ -530,7 +550,9 @@ def main(args: Args) -> dict:
         params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                  max_tokens=args.max_response_tokens, logprobs=0,
                                  seed=request_seed(args.seed, step, j)) for j in range(len(batch_idx))]
+        peaks.start()
         groups = engine.generate(llm, [prompts[i] for i in batch_idx], params)
+        peaks.end("rollout")
         engine.sleep(llm, args.vllm_sleep_level)
         samples = [(i, c) for i, g in zip(batch_idx, groups) for c in g]  # group-major: G rows per problem
         new_tokens = [len(c.token_ids) for _, c in samples]
@@ -564,6 +586,7 @@ def main(args: Args) -> dict:
         lengths = [len(s) for s in seqs]
         old_logps, ref_logps, entropies = {}, {}, {}
         model.eval()
+        peaks.start()
         with torch.no_grad(), autocast(device):
             for mb in dist.even(make_micro_batches(dist.mine(range(len(samples))), lengths, args.micro_batch_tokens)):
                 if not mb:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
@@ -579,6 +602,7 @@ def main(args: Args) -> dict:
                                         args.logprob_chunk_tokens)[0] if ref_model else lp
                 for j, a, b, c in zip(mb, lp.split(mb_lens), ent.split(mb_lens), ref.split(mb_lens)):
                     old_logps[j], entropies[j], ref_logps[j] = a, b, c
+        peaks.end("old_logprobs")
         mine = sorted(old_logps)
         trainer_lp = torch.cat([old_logps[i] for i in mine] or [torch.zeros(0)]).float().cpu()
         vllm_lp = torch.tensor([x for i in mine for x in samples[i][1].logprobs])
@@ -605,6 +629,7 @@ def main(args: Args) -> dict:
                 continue
             denom = sum(new_tokens[i] for i in mb_idx) if args.loss_agg == "token-mean" else len(mb_idx)
             optimizer.zero_grad(set_to_none=True)
+            peaks.start()
             for micro in dist.even(make_micro_batches(dist.mine(mb_idx), lengths, args.micro_batch_tokens)):
                 if not micro:
                     dist.idle_pass(model)
@@ -626,9 +651,12 @@ def main(args: Args) -> dict:
                 stats["policy_loss"] += float(loss.detach()) / args.num_minibatches
                 for key in ("clip_low", "clip_high", "clip_dual", "approx_kl"):
                     stats[key] += float(st[key].detach().float().sum()) / sum(new_tokens)
+            peaks.end("backward")
             grad_norm = dist.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
             if torch.isfinite(grad_norm):
+                peaks.start()
                 dist.step(optimizer, device, args.offload_optimizer)
+                peaks.end("optimizer_step")
             else:  # a non-finite gradient would poison the weights; skip this minibatch's step
                 skipped += 1
             grad_norms.append(float(grad_norm))
@@ -638,7 +666,9 @@ def main(args: Args) -> dict:
 
         # 6. the engine serves the new weights from the next rollout on
         t0 = time.time()
+        peaks.start()
         engine.wake_up(llm, model)
+        peaks.end("wake_up")
         t_sync = time.time() - t0
 
         # 7. log (rank 0)
@@ -662,6 +692,7 @@ def main(args: Args) -> dict:
         }
         if ref_model is not None:
             scalars["losses/kl_ref"] = stats["kl_ref"]
+        scalars.update(peaks.pop())
         if master:
             for key, value in scalars.items():
                 writer.add_scalar(key, value, step)

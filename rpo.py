@@ -94,6 +94,8 @@ class Args:
     """gold answer field of the evaluation set"""
     eval_limit: int | None = None
     """use only the first N evaluation problems"""
+    train_eval_problems: int = 64
+    """training problems (a fixed seeded sample) also evaluated at every evaluation, as eval/train_score (0: off)"""
     prompt_template: str = OPEN_RS_PROMPT
     """user message; `{problem}` is replaced by the problem"""
 
@@ -209,7 +211,7 @@ def tiny_args() -> Args:
         train_limit=512, epochs=6, problems_per_step=32, group_size=6, max_response_tokens=200, temperature=1.0,
         learning_rate=1e-4, warmup_frac=0.1, cache_init_temperature=1.0,
         cache_init_top_p=1.0, micro_batch_tokens=16_384, save_every=0, eval_every=10, eval_samples=4,
-        eval_temperature=1.0, eval_top_p=1.0, eval_max_tokens=200, log_completions_every=10,
+        eval_temperature=1.0, eval_top_p=1.0, eval_max_tokens=200, log_completions_every=10, train_eval_problems=256,
     )
 
 
@@ -417,10 +419,17 @@ def main(args: Args) -> dict:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup, num_steps, args.min_lr_rate))
     prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in train_rows]
     eval_prompts = [encode_prompt(tok, args.prompt_template, r[args.eval_problem_field]) for r in eval_rows]
+    # a fixed sample of training problems, evaluated like the held-out ones (eval/train_score)
+    train_eval_rows = [train_rows[i] for i in sorted(random.Random(args.seed).sample(
+        range(len(train_rows)), min(args.train_eval_problems, len(train_rows))))] if args.eval_every else []
+    train_eval_prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in train_eval_rows]
     cache_init_max_tokens = cache_init_limit(args)
     longest = max(args.max_response_tokens, args.eval_max_tokens, cache_init_max_tokens)
+    peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
+    peaks.start()
     llm = engine.create_engine(model_path, max_model_len=max(map(len, prompts + eval_prompts)) + longest + 8,
                                seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization)
+    peaks.end("engine_start")
     flops_A, flops_B = engine.decoding_flops_coefficients(config)
     verifier = AnswerVerifier()  # its worker processes start on first use only
 
@@ -487,6 +496,17 @@ def main(args: Args) -> dict:
             writer.add_scalar("eval/mean_score", score, step)
             writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])),
                               step)
+        if train_eval_prompts:  # the same sampling on training problems, from scratch: the train / held-out gap
+            params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
+                                     top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
+                                     seed=request_seed(args.seed, -4, i)) for i in range(len(train_eval_prompts))]
+            groups = engine.generate(llm, train_eval_prompts, params)
+            texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+            train_score = float(np.mean(verify(texts, [r for r in train_eval_rows for _ in range(args.eval_samples)],
+                                               args.answer_field, args.dataset == "tiny")))
+            if master:
+                writer.add_scalar("eval/train_score", train_score, step)
+        if master:
             writer.add_scalar("time/eval", time.time() - t0, step)
         return score
 
@@ -520,7 +540,9 @@ def main(args: Args) -> dict:
         params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                  max_tokens=max(1, b), logprobs=0, seed=request_seed(args.seed, step, j))
                   for j, b in enumerate(budgets)]
+        peaks.start()
         groups = engine.generate(llm, [prompts[p] + pre for p, pre in zip(batch, prefixes)], params)
+        peaks.end("rollout")
         engine.sleep(llm, args.vllm_sleep_level)
         samples = [(j, c) for j in range(len(batch)) for c in groups[j]]  # group-major
         new_tokens = [len(c.token_ids) for _, c in samples]
@@ -551,6 +573,7 @@ def main(args: Args) -> dict:
         loss_start, loss_len = [s for s, _ in spans], [n for _, n in spans]
         old_lp, ref_lp = {}, {}  # for the rows this process trains (row i: rank i % world under torchrun)
         model.eval()
+        peaks.start()
         with torch.no_grad(), autocast(device):
             for mb in dist.even(make_micro_batches(dist.mine(range(len(seqs))), [len(s) for s in seqs],
                                                    args.micro_batch_tokens)):
@@ -567,6 +590,7 @@ def main(args: Args) -> dict:
                 for i, a, b in zip(mb, lp.split(ln), rf.split(ln)):
                     old_lp[i], ref_lp[i] = a, b
         # sampler vs trainer on the sampled continuation tokens (the tail of each row's trained tokens)
+        peaks.end("old_logprobs")
         mine = sorted(old_lp)
         vllm_lp = torch.tensor([x for i in mine for x in samples[i][1].logprobs])
         trainer_lp = torch.cat([old_lp[i][loss_len[i] - new_tokens[i]:] for i in mine] or [torch.zeros(0)]).float().cpu()
@@ -584,6 +608,7 @@ def main(args: Args) -> dict:
                 continue
             denom = sum(loss_len[i] for i in mb) if dapo else len(mb)
             optimizer.zero_grad(set_to_none=True)
+            peaks.start()
             for micro in dist.even(make_micro_batches(dist.mine(mb), [len(s) for s in seqs], args.micro_batch_tokens)):
                 if not micro:
                     dist.idle_pass(model)
@@ -609,9 +634,12 @@ def main(args: Args) -> dict:
                 stats["policy_loss"] += float(loss.detach()) / args.num_minibatches
                 stats["clipfrac"] += float(clipped.float().sum()) / n_tok
                 stats["approx_kl"] += float(approx_kl.detach().sum()) / n_tok
+            peaks.end("backward")
             grad_norm = dist.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
             if torch.isfinite(grad_norm):
+                peaks.start()
                 dist.step(optimizer, device, args.offload_optimizer)
+                peaks.end("optimizer_step")
         model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
         stats = {k: dist.sum_all(v) for k, v in stats.items()}  # each rank summed its own rows
         lr_now = schedule.get_last_lr()[0]
@@ -627,7 +655,9 @@ def main(args: Args) -> dict:
                 cache[p], cache_correct[p] = list(responses[pick]), correct[pick]
                 cache_finished[p] = extract_final_answer(texts[pick]) is not None
         t0 = time.time()
+        peaks.start()
         engine.wake_up(llm, model)
+        peaks.end("wake_up")
         t_sync = time.time() - t0
 
         # 6. Log, evaluate, checkpoint
@@ -651,6 +681,7 @@ def main(args: Args) -> dict:
             "rpo/cache_unfinished_frac": 1.0 - float(np.mean(list(cache_finished.values()))),
             "rpo/zero_std_frac": float((rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean()),
         }
+        scalars.update(peaks.pop())
         if master:
             for key, value in scalars.items():
                 writer.add_scalar(key, value, step)

@@ -20,7 +20,9 @@ optimizer states, computes in bf16 and reduces gradients in fp32. On a CPU under
 
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
 import random
 import shutil
 import socket
@@ -198,6 +200,47 @@ def step(optimizer: torch.optim.Optimizer, device: torch.device, offload: bool) 
         offload_state(optimizer, "cpu")
 
 
+class Peaks:
+    """Peak memory of each phase of a step, GiB, for the `memory/<phase>` logs (benchmarks/memory_plan.py predicts
+    them, benchmarks/gpu_check.sh records them): on GPU the CUDA allocator's peak -- trainer and vLLM tensors
+    alike -- on CPU the process's peak resident set (Linux); `memory/<phase>_growth` is the peak less what was in
+    use when the phase began. `start()` before a phase, `end(name)` after it."""
+
+    def __init__(self):
+        self.peaks: dict[str, float] = {}
+        self.at_start = 0.0
+
+    def start(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            self.at_start = torch.cuda.memory_allocated() / 2**30
+        else:
+            try:  # "5" resets the kernel's peak-RSS counter (VmHWM) of this process
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                pass
+            self.at_start = _proc_status_gib("VmRSS")
+
+    def end(self, phase: str) -> None:
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else _proc_status_gib("VmHWM")
+        self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak)
+        self.peaks[f"{phase}_growth"] = max(self.peaks.get(f"{phase}_growth", 0.0), peak - self.at_start)
+
+    def pop(self) -> dict[str, float]:
+        """The phases' peaks since the last pop, the largest of any rank's (every rank must call it)."""
+        out, self.peaks = {f"memory/{k}": max_all(v) for k, v in sorted(self.peaks.items())}, {}
+        return out
+
+
+def _proc_status_gib(field: str) -> float:
+    """A memory field of /proc/self/status (VmRSS, VmHWM), GiB; 0 where there is none."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return 0.0
+    return next((int(line.split()[1]) / 2**20 for line in lines if line.startswith(field + ":")), 0.0)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Checkpoints: written aside then renamed, so a kill mid-save never spoils the last good one
 # ----------------------------------------------------------------------------------------------------
@@ -232,6 +275,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizers: dict
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, tmp / f"rng_{RANK}.pt")
+    # every rank's fingerprint of the state it holds: they must all agree (tests/test_distributed.py checks)
+    (tmp / f"state_{RANK}.sha256").write_text(hashlib.sha256(pickle.dumps(state)).hexdigest())
     barrier()
     if RANK == 0:
         if final.exists():  # re-saving a step after a resume: swap, never leave no checkpoint behind

@@ -239,7 +239,8 @@ def random_model_path(config_file: str, cache_dir: str | os.PathLike | None = No
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (final / "config.json").exists():
             tokenizer = build_tokenizer(spec["vocab_size"])
-            fields = {k: v for k, v in spec.items() if k not in ("architectures", "transformers_version")}
+            fields = {k: v for k, v in spec.items()
+                      if not k.startswith("_") and k not in ("architectures", "transformers_version")}
             fields.update(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
             dtype = getattr(torch, str(spec.get("torch_dtype") or spec.get("dtype") or "float32"))
@@ -258,16 +259,33 @@ def recipe_hash(recipe: TinyRecipe = RECIPE) -> str:
     return hashlib.sha256(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode()).hexdigest()[:10]
 
 
-def tiny_model_path(cache_dir: str | os.PathLike | None = None, recipe: TinyRecipe = RECIPE) -> str:
-    """Path of the warm-started tiny model (HF format with tokenizer), building it on first use.
+SHIPPED = Path(__file__).parent / "tiny_model"  # the built model, in the repository: the same weights everywhere
 
-    Safe against concurrent builders (a file lock) and against a kill mid-build (built aside, then renamed).
+
+def shipped_recipe_hash() -> str | None:
+    """The recipe hash of the shipped model's build record (None if there is no shipped model)."""
+    record = SHIPPED / "tiny_build.json"
+    return recipe_hash(TinyRecipe(**json.loads(record.read_text())["recipe"])) if record.exists() else None
+
+
+def tiny_model_path(cache_dir: str | os.PathLike | None = None, recipe: TinyRecipe = RECIPE,
+                    rebuild: bool = False) -> str:
+    """Path of the warm-started tiny model (HF format with tokenizer).
+
+    The repository ships it (common/tiny_model/, built from RECIPE): floating-point kernels differ between
+    CPUs, so a build is deterministic on one machine but not across machines, and shipping the weights is what
+    makes every tiny-task number reproduce anywhere. A recipe without a shipped build (or `rebuild`) is built
+    from scratch on first use (~20 minutes on 2 cores, with progress) and cached in $TINY_RL_CACHE or
+    ~/.cache/tiny-rl; safe against concurrent builders (a file lock) and a kill mid-build (built aside, renamed).
     """
+    if not rebuild and recipe_hash(recipe) == shipped_recipe_hash():
+        return str(SHIPPED)
     root = Path(cache_dir or os.environ.get("TINY_RL_CACHE") or Path.home() / ".cache" / "tiny-rl")
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"tiny-qwen3-{recipe_hash(recipe)}"
     if (final / "config.json").exists():
         return str(final)
+    print(f"building the tiny model from its recipe into {final} (once; ~20 minutes on 2 cores)...", flush=True)
     with open(root / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (final / "config.json").exists():

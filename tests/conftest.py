@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -33,11 +34,29 @@ def engine_and_model(tiny_model):
     return llm, model
 
 
-def run_script(script: str, *args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run one of the trainers as a user would, in `cwd` (its runs/ and checkpoints/ land there)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+GPU = torch.cuda.is_available()
+# vLLM's sampling log-probabilities against the trainer's on the same tokens: equal to fp32 rounding on CPU; on
+# GPU the engine computes in bf16 while the test trainers are fp32
+LOGPROB_GAP = 0.25 if GPU else 1e-4
+MISMATCH_KL = 1e-2 if GPU else 1e-4
+CPU_ONLY = pytest.mark.skipif(GPU, reason="bit-for-bit equality: GPU kernels are not bitwise "
+                                                        "deterministic; the CPU suite pins it")
+
+
+def command(script: str, args, ranks: int = 1) -> list[str]:
+    """`python script args`, or `torchrun --nproc_per_node ranks script args` (standalone rendezvous)."""
+    if ranks == 1:
+        return [sys.executable, str(ROOT / script), *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+            str(ROOT / script), *args]
+
+
+def run_script(script: str, *args: str, cwd: Path, timeout: int = 900, ranks: int = 1) -> subprocess.CompletedProcess:
+    """Run one of the trainers as a user would, in `cwd` (its runs/ and checkpoints/ land there); with `ranks`
+    > 1 under torchrun, one thread per rank (2 cores here)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **({"OMP_NUM_THREADS": "1"} if ranks > 1 else {}))
+    proc = subprocess.run(command(script, args, ranks), cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")
@@ -53,13 +72,13 @@ def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
-def run_killed_after(script: str, args: list[str], marker: Path, cwd: Path, timeout: int = 900) -> None:
-    """Start a trainer and SIGKILL it (with its process group) as soon as `marker` exists."""
+def run_killed_after(script: str, args: list[str], marker: Path, cwd: Path, timeout: int = 900, ranks: int = 1) -> None:
+    """Start a trainer and SIGKILL it (with its process group: every rank) as soon as `marker` exists."""
     import signal
     import time
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env,
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **({"OMP_NUM_THREADS": "1"} if ranks > 1 else {}))
+    proc = subprocess.Popen(command(script, args, ranks), cwd=cwd, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + timeout
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
@@ -79,16 +98,16 @@ def assert_same_weights(a_dir: Path, b_dir: Path) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-def run_straight_and_resumed(script: str, args: list[str], kill_after: int, last: int, tmp_path: Path):
+def run_straight_and_resumed(script: str, args: list[str], kill_after: int, last: int, tmp_path: Path, ranks: int = 1):
     """The resume contract: a run straight to step `last`, and the same run SIGKILLed once its step
     `kill_after` checkpoint exists, then resumed from it. Asserts the final weights are bit-identical and
     returns the two runs' final trainer states and logged scalars, (straight, resumed), for script-specific checks."""
     import torch
 
-    run_script(script, *args, "--run-name", "straight", cwd=tmp_path)
+    run_script(script, *args, "--run-name", "straight", cwd=tmp_path, ranks=ranks)
     ckpt = tmp_path / f"checkpoints/killed/step_{kill_after}"
-    run_killed_after(script, [*args, "--run-name", "killed"], ckpt / "trainer_state.pt", tmp_path)
-    run_script(script, *args, "--resume", str(ckpt), "--run-name", "resumed", cwd=tmp_path)
+    run_killed_after(script, [*args, "--run-name", "killed"], ckpt / "trainer_state.pt", tmp_path, ranks=ranks)
+    run_script(script, *args, "--resume", str(ckpt), "--run-name", "resumed", cwd=tmp_path, ranks=ranks)
     final = {name: tmp_path / f"checkpoints/{name}/step_{last}" for name in ("straight", "resumed")}
     assert_same_weights(final["straight"] / "policy", final["resumed"] / "policy")
     states = [torch.load(final[n] / "trainer_state.pt", weights_only=False) for n in ("straight", "resumed")]

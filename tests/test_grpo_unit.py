@@ -1,7 +1,6 @@
 """GRPO's rules pinned to hand-computed values."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
