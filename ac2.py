@@ -232,8 +232,10 @@ class Args:
     """fresh rollouts per refresh in the stale-buffer variant; they are the whole buffer until the next refresh"""
 
     # --- efficiency ---
-    micro_batch_tokens: int = 65_536
-    """padded tokens per forward/backward"""
+    micro_batch_tokens: int = 16_384
+    """padded tokens per forward/backward (micro-batches accumulate into one minibatch step); a longer row is a
+    micro-batch of its own. Bounds activation memory (benchmarks/memory_plan.py) at the cost of more forward /
+    backward passes, each gathering the sharded weights again"""
     logprob_chunk_tokens: int = 1024
     """positions per chunk of the LM head + log-softmax (no [tokens x vocab] tensor is ever materialised)"""
     gradient_checkpointing: bool = True
@@ -496,7 +498,7 @@ def judge_failure_streak(calls: list[tuple[str | None, str | None]], streak: int
     if not calls or 2 * len(failed) <= len(calls):
         return 0, None
     causes = collections.Counter(e for e, _ in failed)
-    detail = {e: d for e, d in reversed(failed)}  # the first message of each cause
+    detail = dict(reversed(failed))  # the first message of each cause
     listed = "; ".join(f"{e} x{k}" + (f" ({detail[e]})" if detail[e] else "") for e, k in causes.most_common())
     return streak + 1, f"{len(failed)} of {len(calls)} judge calls failed: {listed}"
 
@@ -623,7 +625,9 @@ def pad_batch(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
 
 
 def autocast(device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
 
 
 def snapshot(model) -> list[torch.Tensor]:
@@ -677,6 +681,8 @@ def main(args: Args) -> dict:
     # one process per GPU under torchrun, each holding all of the algorithm's state (common/dist.py)
     rank, world, device = dist.init()
     master = rank == 0
+    if master and world > 1:
+        print(f"{world} ranks, one {device.type} each", flush=True)
     resume_dir = dist.find_checkpoint(args.resume) if args.resume else None
     ckpt = dist.read_state(resume_dir) if resume_dir else None
     run_name = args.run_name or (ckpt["run_name"] if ckpt else f"{args.exp_name}__{args.seed}__{int(time.time())}")
@@ -917,7 +923,8 @@ def main(args: Args) -> dict:
         # 5. Judge every non-consumed row: points/7; no proof -> 0 and valid; failures -> 0 and invalid
         t0 = time.time()
         to_judge = [(gi, ri) for gi, g in enumerate(groups) for ri in range(len(g.rows)) if not g.consumed[ri]]
-        judged, calls = judge_texts([texts[k] for k in to_judge], [train_rows[groups[gi].problem] for gi, _ in to_judge])
+        judged, calls = judge_texts([texts[k] for k in to_judge],
+                                    [train_rows[groups[gi].problem] for gi, _ in to_judge])
         verdicts = dict(zip(to_judge, judged))
         judge_streak, warning = judge_failure_streak(calls, judge_streak)
         if warning and master:
@@ -1044,7 +1051,7 @@ def main(args: Args) -> dict:
             ctx, target = context(rec, ref), critic_target(rec["target"], tok)
             critic_rows.append((ctx + target, len(ctx), len(target), w))
 
-        def critic_step() -> tuple[float, float | None]:
+        def critic_step(critic_rows, n_records: int, critic_lr: float) -> tuple[float, float | None]:
             """One AdamW step on the NLL of the value tokens + end-of-turn, weight w/4 per token, / records."""
             if not critic_rows:
                 return float("nan"), None
@@ -1082,7 +1089,7 @@ def main(args: Args) -> dict:
         n_tok = sum(n_new[:n_train])
         for m in range(args.num_minibatches):
             if m == 1:
-                critic_loss, d_critic = critic_step()
+                critic_loss, d_critic = critic_step(critic_rows, n_records, critic_lr)
             mb = [i for i in range(m * n_train // args.num_minibatches, (m + 1) * n_train // args.num_minibatches)
                   if train_rows_list[i][3] > 0]  # zero-weight rows (invalid critic value) carry no loss
             if not mb:
@@ -1117,7 +1124,7 @@ def main(args: Args) -> dict:
             grad_norms.append(float(grad_norm))
             d_actor.append(displacement(model, before))
         if args.num_minibatches == 1:
-            critic_loss, d_critic = critic_step()
+            critic_loss, d_critic = critic_step(critic_rows, n_records, critic_lr)
         model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
         stats = {k: dist.sum_all(v) for k, v in stats.items()}  # each rank summed its own rows
         # the learning-rate ladder: rho = ||d_critic|| / (||d_ppo1|| + ||d_ppo2||)

@@ -35,8 +35,14 @@ from torch.utils.tensorboard import SummaryWriter
 from common import dist, engine
 from common.data import load_rows
 from common.judges import AnswerVerifier, after_thinking, extract_boxed, extract_final_answer
-from common.tiny import (TINY_PACK_BUDGET, TINY_PACK_PROBLEM, TINY_PACK_SEPARATOR, TINY_PACK_TEMPLATE,
-                         resolve_model, tiny_reward)
+from common.tiny import (
+    TINY_PACK_BUDGET,
+    TINY_PACK_PROBLEM,
+    TINY_PACK_SEPARATOR,
+    TINY_PACK_TEMPLATE,
+    resolve_model,
+    tiny_reward,
+)
 
 PACK_TEMPLATE = (  # spec/ccr.md "Prompt and answer recovery" (project choice)
     "You will be given {n} problems. Solve them in order in a single response. Your whole response, reasoning "
@@ -155,8 +161,10 @@ class Args:
     """optimizer steps per batch (one epoch over the batch, no shuffle)"""
 
     # --- efficiency ---
-    micro_batch_tokens: int = 65_536
-    """padded tokens per forward/backward"""
+    micro_batch_tokens: int = 16_384
+    """padded tokens per forward/backward (micro-batches accumulate into one minibatch step); a longer row is a
+    micro-batch of its own. Bounds activation memory (benchmarks/memory_plan.py) at the cost of more forward /
+    backward passes, each gathering the sharded weights again"""
     logprob_chunk_tokens: int = 1024
     """positions per chunk of the LM head + log-softmax (no [tokens x vocab] tensor is ever materialised)"""
     gradient_checkpointing: bool = True
@@ -194,7 +202,7 @@ def tiny_args() -> Args:
     them, so truncation really happens; evaluation samples the policy itself at T = 1 as for every script."""
     return Args(
         tiny=True, model="tiny", dataset="tiny", problem_field="problem", answer_field="answer",
-        difficulty_field="difficulty", train_limit=3072, subset_size=None, eval_dataset="tiny", eval_split="test",
+        difficulty_field="difficulty", subset_size=None, eval_dataset="tiny", eval_split="test",
         eval_problem_field="problem", eval_answer_field="answer", budget=TINY_PACK_BUDGET,
         pack_template=TINY_PACK_TEMPLATE, problem_format=TINY_PACK_PROBLEM, problem_separator=TINY_PACK_SEPARATOR,
         single_template="{problem}", packs_per_step=32, group_size=4,
@@ -339,7 +347,9 @@ def pad_batch(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
 
 
 def autocast(device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -352,6 +362,8 @@ def main(args: Args) -> dict:
     # one process per GPU under torchrun, each holding all of the algorithm's state (common/dist.py)
     rank, world, device = dist.init()
     master = rank == 0
+    if master and world > 1:
+        print(f"{world} ranks, one {device.type} each", flush=True)
     resume_dir = dist.find_checkpoint(args.resume) if args.resume else None
     ckpt = dist.read_state(resume_dir) if resume_dir else None
     run_name = args.run_name or (ckpt["run_name"] if ckpt else f"{args.exp_name}__{args.seed}__{int(time.time())}")
@@ -398,7 +410,8 @@ def main(args: Args) -> dict:
                                              for k, q in enumerate(problems, 1))
         return encode_chat(tok, args.pack_template.format(n=len(problems), budget=args.budget, problems=listed))
 
-    eval_prompts = [encode_chat(tok, args.single_template.format(problem=r[args.eval_problem_field])) for r in eval_rows]
+    eval_prompts = [encode_chat(tok, args.single_template.format(problem=r[args.eval_problem_field]))
+                    for r in eval_rows]
     # a fixed sample of training problems, evaluated one at a time like the held-out ones (eval/train_score)
     train_eval_rows = [rows[i] for i in sorted(random.Random(args.seed).sample(
         range(len(rows)), min(args.train_eval_problems, len(rows))))] if args.eval_every else []
@@ -467,7 +480,8 @@ def main(args: Args) -> dict:
         if args.eval_dataset == "tiny":
             xs = [tiny_reward(t, r["answer"]) for t, r in zip(texts, golds)]
         else:
-            xs = verifier.verify([str(r[args.eval_answer_field]) for r in golds], [extract_final_answer(t) for t in texts])
+            xs = verifier.verify([str(r[args.eval_answer_field]) for r in golds],
+                                 [extract_final_answer(t) for t in texts])
         score = float(np.mean(xs))
         logged = {"eval/mean_score": score,
                   "eval/tokens_per_problem": float(np.mean([len(c.token_ids) for g in groups for c in g]))}
@@ -520,7 +534,8 @@ def main(args: Args) -> dict:
         samples = [(j, c) for j in range(len(batch)) for c in groups[j]]  # group-major
         new_tokens = [len(c.token_ids) for _, c in samples]
         total_tokens += sum(new_tokens)
-        total_flops += sum(engine.decoding_flops(flops_A, flops_B, len(prompts[j]), len(c.token_ids)) for j, c in samples)
+        total_flops += sum(engine.decoding_flops(flops_A, flops_B, len(prompts[j]), len(c.token_ids))
+                           for j, c in samples)
         t_generate = time.time() - t0
 
         # 2. Reward: answers completed before the cap keep their credit, truncated or not

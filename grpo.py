@@ -168,8 +168,10 @@ class Args:
     """beta of a k3 KL penalty to the frozen initial policy (0: off, no reference model kept)"""
 
     # --- efficiency ---
-    micro_batch_tokens: int = 65_536
-    """padded tokens per forward/backward (micro-batches accumulate into one minibatch step)"""
+    micro_batch_tokens: int = 16_384
+    """padded tokens per forward/backward (micro-batches accumulate into one minibatch step); a longer row is a
+    micro-batch of its own. Bounds activation memory (benchmarks/memory_plan.py) at the cost of more forward /
+    backward passes, each gathering the sharded weights again"""
     logprob_chunk_tokens: int = 1024
     """positions per chunk of the LM head + log-softmax, so no [tokens x vocab] tensor is ever materialised"""
     gradient_checkpointing: bool = True
@@ -278,7 +280,7 @@ def judge_failure_streak(calls: list[tuple[str | None, str | None]], streak: int
     if not calls or 2 * len(failed) <= len(calls):
         return 0, None
     causes = collections.Counter(e for e, _ in failed)
-    detail = {e: d for e, d in reversed(failed)}  # the first message of each cause
+    detail = dict(reversed(failed))  # the first message of each cause
     listed = "; ".join(f"{e} x{k}" + (f" ({detail[e]})" if detail[e] else "") for e, k in causes.most_common())
     return streak + 1, f"{len(failed)} of {len(calls)} judge calls failed: {listed}"
 
@@ -398,7 +400,9 @@ def pad_batch(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
 
 
 def autocast(device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -410,6 +414,8 @@ def main(args: Args) -> dict:
     # one process per GPU under torchrun, each holding all of the algorithm's state (common/dist.py)
     rank, world, device = dist.init()
     master = rank == 0
+    if master and world > 1:
+        print(f"{world} ranks, one {device.type} each", flush=True)
     resume_dir = dist.find_checkpoint(args.resume) if args.resume else None
     ckpt = dist.read_state(resume_dir) if resume_dir else None
     run_name = args.run_name or (ckpt["run_name"] if ckpt else f"{args.exp_name}__{args.seed}__{int(time.time())}")
@@ -462,7 +468,8 @@ def main(args: Args) -> dict:
     # a fixed sample of training problems, evaluated like the held-out ones (eval/train_score)
     train_eval_rows = [train_rows[i] for i in sorted(random.Random(args.seed).sample(
         range(len(train_rows)), min(args.train_eval_problems, len(train_rows))))] if args.eval_every else []
-    train_eval_prompts = [encode_prompt(tokenizer, args.prompt_template, r[args.problem_field]) for r in train_eval_rows]
+    train_eval_prompts = [encode_prompt(tokenizer, args.prompt_template, r[args.problem_field])
+                          for r in train_eval_rows]
     longest_prompt = max(map(len, prompts + eval_prompts))
     peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
     peaks.start()
@@ -573,7 +580,8 @@ def main(args: Args) -> dict:
                              f"steps (last: {warning}). The state before step {step} is saved in {path}; fix the "
                              f"judge, then continue with --resume {path}")
         total_tokens += sum(new_tokens)
-        total_flops += sum(engine.decoding_flops(flops_A, flops_B, len(prompts[i]), len(c.token_ids)) for i, c in samples)
+        total_flops += sum(engine.decoding_flops(flops_A, flops_B, len(prompts[i]), len(c.token_ids))
+                           for i, c in samples)
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
         advantages = group_advantages(rewards_t, args.group_size, args.std_normalize)
         t_score = time.time() - t0
@@ -686,7 +694,8 @@ def main(args: Args) -> dict:
             "losses/clipfrac": stats["clip_low"] + stats["clip_high"],
             "losses/clipfrac_low": stats["clip_low"], "losses/clipfrac_high": stats["clip_high"],
             "losses/clipfrac_dual": stats["clip_dual"], "losses/approx_kl": stats["approx_kl"],
-            "losses/entropy": mean_entropy, "losses/eps_high": clip_high, "losses/grad_norm": float(np.mean(grad_norms)),
+            "losses/entropy": mean_entropy, "losses/eps_high": clip_high,
+            "losses/grad_norm": float(np.mean(grad_norms)),
             "losses/skipped_steps": skipped, "sampling/mismatch_kl": mismatch_kl, "sampling/mismatch_max": mismatch_max,
             "time/generate": t_generate, "time/score": t_score, "time/train": t_train, "time/sync": t_sync,
         }

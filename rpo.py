@@ -171,8 +171,10 @@ class Args:
     """optimizer steps per batch (one epoch over the batch, no shuffle)"""
 
     # --- efficiency ---
-    micro_batch_tokens: int = 65_536
-    """padded tokens per forward/backward"""
+    micro_batch_tokens: int = 16_384
+    """padded tokens per forward/backward (micro-batches accumulate into one minibatch step); a longer row is a
+    micro-batch of its own. Bounds activation memory (benchmarks/memory_plan.py) at the cost of more forward /
+    backward passes, each gathering the sharded weights again"""
     logprob_chunk_tokens: int = 1024
     """positions per chunk of the LM head + log-softmax (no [tokens x vocab] tensor is ever materialised)"""
     gradient_checkpointing: bool = True
@@ -369,7 +371,9 @@ def pad_batch(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
 
 
 def autocast(device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -382,6 +386,8 @@ def main(args: Args) -> dict:
     # one process per GPU under torchrun, each holding all of the algorithm's state (common/dist.py)
     rank, world, device = dist.init()
     master = rank == 0
+    if master and world > 1:
+        print(f"{world} ranks, one {device.type} each", flush=True)
     resume_dir = dist.find_checkpoint(args.resume) if args.resume else None
     ckpt = dist.read_state(resume_dir) if resume_dir else None
     run_name = args.run_name or (ckpt["run_name"] if ckpt else f"{args.exp_name}__{args.seed}__{int(time.time())}")
@@ -593,7 +599,8 @@ def main(args: Args) -> dict:
         peaks.end("old_logprobs")
         mine = sorted(old_lp)
         vllm_lp = torch.tensor([x for i in mine for x in samples[i][1].logprobs])
-        trainer_lp = torch.cat([old_lp[i][loss_len[i] - new_tokens[i]:] for i in mine] or [torch.zeros(0)]).float().cpu()
+        trainer_lp = torch.cat([old_lp[i][loss_len[i] - new_tokens[i]:] for i in mine] or [torch.zeros(0)])
+        trainer_lp = trainer_lp.float().cpu()
         log_ratio = trainer_lp - vllm_lp
 
         # 4. Update (Eqs. 5-8): GRPO = per-sequence token mean, mean over sequences, + beta * k3 KL;
@@ -667,7 +674,8 @@ def main(args: Args) -> dict:
             "train/reward_mean": float(np.mean(shaped)), "train/accuracy": float(np.mean(correct)),
             "train/response_len_mean": float(np.mean([len(o) for o in responses])),
             "losses/policy_loss": stats["policy_loss"], "losses/clipfrac": stats["clipfrac"],
-            "losses/approx_kl": stats["approx_kl"], "losses/kl_ref": stats["kl_ref"], "losses/grad_norm": float(grad_norm),
+            "losses/approx_kl": stats["approx_kl"], "losses/kl_ref": stats["kl_ref"],
+            "losses/grad_norm": float(grad_norm),
             # Monte-Carlo estimate of the token entropy: mean -log p of the sampled continuation tokens
             "losses/entropy": -dist.mean_all(trainer_lp),
             "sampling/mismatch_kl": dist.mean_all(torch.exp(log_ratio) - 1 - log_ratio),
@@ -695,8 +703,8 @@ def main(args: Args) -> dict:
         if master:
             print(f"step {step}/{last_step} | reward {scalars['train/reward_mean']:.3f} acc "
                   f"{scalars['train/accuracy']:.3f} | eval {last_eval:.3f} | new tok/sample "
-                  f"{scalars['rpo/new_tokens_per_sample']:.1f} | cache correct {scalars['rpo/cache_correct_frac']:.2f} | "
-                  f"gen {t_generate:.1f}s train {t_train:.1f}s", flush=True)
+                  f"{scalars['rpo/new_tokens_per_sample']:.1f} | cache correct "
+                  f"{scalars['rpo/cache_correct_frac']:.2f} | gen {t_generate:.1f}s train {t_train:.1f}s", flush=True)
         if args.save_every and (step % args.save_every == 0 or step == last_step):
             state = {"run_name": run_name, "schedule": schedule.state_dict(), "cache": cache,
                      "cache_correct": cache_correct, "cache_finished": cache_finished,

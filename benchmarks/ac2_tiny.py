@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from tblog import read_scalars  # benchmarks/ is on sys.path when these run as scripts
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,13 +1,19 @@
-"""GRPO, AC2, Prefix GRPO, RPO and CCR side by side on the tiny task, on one axis: decoding FLOPs (AC2 Eq. 6).
+"""GRPO, AC2, Prefix GRPO, RPO and CCR side by side on the tiny task, each beside GRPO on its own training problems.
 
-    python benchmarks/compare.py                      # 5 methods x 3 seeds x 30 steps, ~50 min on 2 cores
-    python benchmarks/compare.py --steps 20 --seeds 1 # a quick look
+    python benchmarks/compare.py                       # 7 runs x 2 seeds x 100 steps (the run time: README)
+    python benchmarks/compare.py --steps 20 --seeds 1  # a quick look
 
-Every run is the script's own `--tiny` configuration with the same model, data, held-out set and evaluation
-sampler (256 problems x 4 samples at T = 1, max 200 tokens), the same number of training steps and the
-same seeds; nothing is tuned per method here. The numbers come from the TensorBoard logs the scripts write
-(no second logging path). Writes, under benchmarks/results/compare/: score_vs_flops.png,
-score_vs_steps.png, table.md and summary.json; existing runs are reused unless --fresh.
+Every method runs its script's own `--tiny` configuration; they do not all train on the same problems (AC2 and
+Prefix GRPO on 128, so that problems come back for readiness; RPO on 512, one cached answer each; GRPO and
+CCR on all 4,096), so each is paired with grpo.py --tiny on exactly its training problems (`--train-limit`),
+and the table reads a method against its matched GRPO. Everything else is shared: the model, the held-out set
+and its evaluation sampler (256 problems x 4 samples at T = 1, max 200 tokens) every 10 steps, a fixed sample of
+training problems evaluated the same way (eval/train_score: the train / held-out gap), the seeds. 100 steps, so
+that AC2's critic becomes ready at the paper's thresholds inside the comparison; RPO and CCR stop at the end of
+their epochs (96 and 100 steps). Nothing is tuned per method. The numbers come from the TensorBoard logs the
+scripts write. AC2 keeps a checkpoint every 10 steps (benchmarks/ac2_advantage.py reads them). Writes, under
+benchmarks/results/compare/: score_vs_flops.png, score_vs_steps.png, table.md and summary.json; finished runs
+are reused unless --fresh.
 """
 
 import argparse
@@ -19,20 +25,21 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from tblog import read_scalars  # benchmarks/ is on sys.path when these run as scripts
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = {  # name -> (script, extra flags)
-    "GRPO": ("grpo.py", []),
-    "AC2": ("ac2.py", []),
-    "Prefix GRPO": ("ac2.py", ["--prefix-grpo", "--exp-name", "prefix_grpo"]),
-    "RPO": ("rpo.py", []),
-    "CCR": ("ccr.py", []),
+METHODS = {  # name -> (script, extra flags, training problems, the GRPO run on the same problems)
+    "GRPO": ("grpo.py", [], 4096, "GRPO"),
+    "AC2": ("ac2.py", ["--save-every", "10", "--keep-checkpoints", "11"], 128, "GRPO on 128"),
+    "Prefix GRPO": ("ac2.py", ["--prefix-grpo", "--exp-name", "prefix_grpo"], 128, "GRPO on 128"),
+    "RPO": ("rpo.py", [], 512, "GRPO on 512"),
+    "CCR": ("ccr.py", [], 4096, "GRPO"),
+    "GRPO on 128": ("grpo.py", ["--train-limit", "128"], 128, "GRPO on 128"),
+    "GRPO on 512": ("grpo.py", ["--train-limit", "512"], 512, "GRPO on 512"),
 }
 TOKENS_PER_SAMPLE = {  # the key each script logs for new tokens per sampled continuation
-    "GRPO": "train/response_len_mean", "AC2": "ac2/new_tokens_per_sample",
-    "Prefix GRPO": "ac2/new_tokens_per_sample", "RPO": "rpo/new_tokens_per_sample", "CCR": "ccr/completion_len_mean",
+    "grpo.py": "train/response_len_mean", "ac2.py": "ac2/new_tokens_per_sample", "rpo.py": "rpo/new_tokens_per_sample",
+    "ccr.py": "ccr/completion_len_mean",
 }
 PAPERS = {  # the papers' own headline numbers, where a comparable quantity exists
     "AC2": "2.5x fewer decoding FLOPs to GRPO's peak (0.79e20 vs 1.99e20)",
@@ -43,7 +50,7 @@ PAPERS = {  # the papers' own headline numbers, where a comparable quantity exis
 
 
 def run(method: str, seed: int, steps: int, fresh: bool) -> Path:
-    script, extra = METHODS[method]
+    script, extra, _, _ = METHODS[method]
     name = f"cmp_{re.sub('[^a-z0-9]+', '_', method.lower()).strip('_')}_s{seed}_n{steps}"
     run_dir = ROOT / "runs" / name
     if run_dir.exists() and not fresh and (ROOT / "runs" / name / ".done").exists():
@@ -59,14 +66,15 @@ def run(method: str, seed: int, steps: int, fresh: bool) -> Path:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--fresh", action="store_true", help="re-run even if a finished run exists")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare"))
     a = ap.parse_args()
     t_start = time.time()
-    dirs = {m: [run(m, s, a.steps, a.fresh) for s in a.seeds] for m in a.methods}
+    methods = list(dict.fromkeys(a.methods + [METHODS[m][3] for m in a.methods]))  # with their matched GRPO
+    dirs = {m: [run(m, s, a.steps, a.fresh) for s in a.seeds] for m in methods}
     logs = {m: [read_scalars(d) for d in ds] for m, ds in dirs.items()}
     run_seconds = sum(float((d / ".done").read_text()) for ds in dirs.values() for d in ds)
     out = Path(a.out)
@@ -76,36 +84,41 @@ def main():
     for m, runs in logs.items():
         eval_steps = sorted(set.intersection(*(set(r["eval/mean_score"]) for r in runs)))
         score = np.array([[r["eval/mean_score"][k] for k in eval_steps] for r in runs])  # seeds x evals
+        train = np.array([[r["eval/train_score"][k] for k in eval_steps] for r in runs])
         flops = np.array([[r["charts/decoding_flops"].get(k, 0.0) for k in eval_steps] for r in runs])
         tokens = [r["charts/generated_tokens"] for r in runs]
         last = max(tokens[0])
         per_step = [(t[last] - t.get(0, 0.0)) / last for t in tokens]  # RPO's step-0 cache fill excluded
         phases = {p: float(np.mean([np.mean(list(r[f"time/{p}"].values())) for r in runs]))
-                  for p in ("generate", "score", "train", "sync") if f"time/{p}" in runs[0]}
-        if "time/critic" in runs[0]:
-            phases["critic"] = float(np.mean([np.mean(list(r["time/critic"].values())) for r in runs]))
+                  for p in ("generate", "critic", "score", "train", "sync") if f"time/{p}" in runs[0]}
+        script = METHODS[m][0]
         summary[m] = {
-            "eval_steps": eval_steps, "score_mean": score.mean(0).tolist(), "score_std": score.std(0).tolist(),
+            "training_problems": METHODS[m][2], "matched_grpo": METHODS[m][3], "steps": last,
+            "eval_steps": eval_steps, "score_mean": score.mean(0).tolist(), "score_min": score.min(0).tolist(),
+            "score_max": score.max(0).tolist(), "train_score_mean": train.mean(0).tolist(),
             "flops_mean": flops.mean(0).tolist(), "peak_score": float(score.mean(0).max()),
             "final_score": float(score.mean(0)[-1]), "start_score": float(score.mean(0)[0]),
+            "final_train_score": float(train.mean(0)[-1]), "final_gap": float(train.mean(0)[-1] - score.mean(0)[-1]),
             "generated_tokens_per_step": float(np.mean(per_step)),
-            "new_tokens_per_sample": float(np.mean([np.mean(list(r[TOKENS_PER_SAMPLE[m]].values())) for r in runs])),
+            "new_tokens_per_sample": float(np.mean([np.mean(list(r[TOKENS_PER_SAMPLE[script]].values()))
+                                                    for r in runs])),
             "seconds_per_step": float(np.mean([np.mean(list(r["charts/step_time"].values())) for r in runs])),
             "phase_seconds_per_step": phases,
         }
-        if m.startswith("AC2"):
+        if m in ("AC2", "Prefix GRPO"):
+            opened = [min((k for k, v in r["ac2/gate_open"].items() if v > 0), default=None) for r in runs]
+            summary[m]["gate_opens_at"] = opened
             summary[m]["ready_frac_final"] = float(np.mean([r["ac2/ready_frac"][max(r["ac2/ready_frac"])]
-                                                             for r in runs if "ac2/ready_frac" in r] or [0.0]))
+                                                            for r in runs if "ac2/ready_frac" in r] or [0.0]))
             summary[m]["consumed_rows_per_step_last10"] = float(np.mean([
                 np.mean([v for k, v in r["ac2/consumed_rows"].items() if k > last - 10]) for r in runs]))
-    if "GRPO" in summary:  # decoding FLOPs to first reach GRPO's peak (seed-mean curves)
-        target = summary["GRPO"]["peak_score"]
-        for m, s in summary.items():
-            hit = next((i for i, v in enumerate(s["score_mean"]) if v >= target - 1e-9), None)
-            s["flops_to_grpo_peak"] = None if hit is None else s["flops_mean"][hit]
-        base = summary["GRPO"]["flops_to_grpo_peak"]
-        for s in summary.values():
-            s["flops_ratio_vs_grpo"] = None if not s["flops_to_grpo_peak"] or not base else base / s["flops_to_grpo_peak"]
+    for s in summary.values():  # decoding FLOPs to first reach the matched GRPO's peak (seed-mean curves)
+        base = summary[s["matched_grpo"]]
+        hit = next((i for i, v in enumerate(s["score_mean"]) if v >= base["peak_score"] - 1e-9), None)
+        s["flops_to_matched_peak"] = None if hit is None else s["flops_mean"][hit]
+        bhit = next(i for i, v in enumerate(base["score_mean"]) if v >= base["peak_score"] - 1e-9)
+        s["flops_ratio_vs_matched"] = None if s["flops_to_matched_peak"] is None else \
+            base["flops_mean"][bhit] / s["flops_to_matched_peak"]
 
     # plots: held-out score against decoding FLOPs (AC2 Figure 1's axis) and against steps, band = min..max
     import matplotlib
@@ -115,36 +128,33 @@ def main():
 
     for xkey, fname, xlabel in (("flops_mean", "score_vs_flops.png", "cumulative decoding FLOPs (Eq. 6)"),
                                 ("eval_steps", "score_vs_steps.png", "training step")):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for m, runs in logs.items():
-            s = summary[m]
-            steps = s["eval_steps"]
-            scores = np.array([[r["eval/mean_score"][k] for k in steps] for r in runs])
+        fig, ax = plt.subplots(figsize=(7.2, 4.6))
+        for m, s in summary.items():
             x = np.array(s[xkey], dtype=float)
-            ax.plot(x, scores.mean(0), label=m, marker="o", ms=3)
-            ax.fill_between(x, scores.min(0), scores.max(0), alpha=0.2)
+            style = dict(ls="--", lw=1) if m.startswith("GRPO on") else dict(lw=1.6)
+            ax.plot(x, s["score_mean"], label=f"{m} ({s['training_problems']:,} problems)", marker="o", ms=2.5,
+                    **style)
+            ax.fill_between(x, s["score_min"], s["score_max"], alpha=0.15)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out score (tiny task, T = 1)")
         ax.set_title(f"tiny task, {len(a.seeds)} seed(s), band = min..max")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / fname, dpi=120)
         plt.close(fig)
 
     fmt = lambda x, f="{:.3g}": "-" if x is None else f.format(x)  # noqa: E731
-    lines = ["| method | generated tokens / step | new tokens / sample | held-out start -> peak (final) | decoding FLOPs to "
-             "GRPO's peak | vs GRPO | s / step (generate / score / train / sync) | the paper says |",
-             "|-|-|-|-|-|-|-|-|"]
+    lines = ["| method | training problems | held-out start -> peak (final) | train score (final) | train - held-out "
+             "| generated tokens / step | new tokens / sample | decoding FLOPs to the matched GRPO's peak (ratio) "
+             "| s / step | the paper says |", "|-|-|-|-|-|-|-|-|-|-|"]
     for m, s in summary.items():
-        ph = s["phase_seconds_per_step"]
-        phase = " / ".join(f"{ph[p]:.2f}" for p in ("generate", "score", "train", "sync") if p in ph)
-        if "critic" in ph:
-            phase += f" (+ critic {ph['critic']:.2f})"
-        lines.append(f"| {m} | {s['generated_tokens_per_step']:,.0f} | {s['new_tokens_per_sample']:.1f} | "
-                     f"{s['start_score']:.3f} -> {s['peak_score']:.3f} ({s['final_score']:.3f}) | {fmt(s.get('flops_to_grpo_peak'))} | "
-                     f"{fmt(s.get('flops_ratio_vs_grpo'), '{:.2f}x')} | {s['seconds_per_step']:.2f} ({phase}) | "
-                     f"{PAPERS.get(m, 'the baseline' if m == 'GRPO' else '-')} |")
+        lines.append(f"| {m} | {s['training_problems']:,} | {s['start_score']:.3f} -> {s['peak_score']:.3f} "
+                     f"({s['final_score']:.3f}) | {s['final_train_score']:.3f} | {s['final_gap']:+.3f} | "
+                     f"{s['generated_tokens_per_step']:,.0f} | {s['new_tokens_per_sample']:.1f} | "
+                     f"{fmt(s['flops_to_matched_peak'])} ({fmt(s['flops_ratio_vs_matched'], '{:.2f}x')} vs "
+                     f"{s['matched_grpo']}) | {s['seconds_per_step']:.2f} | "
+                     f"{PAPERS.get(m, 'the baseline' if m.startswith('GRPO') else '-')} |")
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     (out / "summary.json").write_text(json.dumps({"steps": a.steps, "seeds": a.seeds, "methods": summary,

@@ -16,9 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-import torch  # noqa: E402
-
 import memory_plan  # noqa: E402
+import torch  # noqa: E402
 from tblog import read_scalars  # noqa: E402
 
 

@@ -1,6 +1,7 @@
 """GRPO on the built-in tiny task: held-out score before/after, wall time by phase, decoding throughput.
 
     python benchmarks/grpo_tiny.py [--steps 100] [--seed 1] [extra grpo.py flags...]
+    python benchmarks/grpo_tiny.py --run runs/cmp_grpo_s1_n100     # summarise a finished grpo.py --tiny run
 
 Runs `grpo.py --tiny` as a user would, then reads its TensorBoard log (the only logging path) and writes
 benchmarks/results/grpo_tiny.json plus a markdown summary on stdout.
@@ -22,13 +23,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--run", help="a finished grpo.py --tiny run folder to summarise instead of running one")
     a, extra = ap.parse_known_args()
-    run = f"bench_grpo_tiny_s{a.seed}_{int(time.time())}"
-    t0 = time.time()
-    subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--tiny", "--num-steps", str(a.steps), "--seed",
-                    str(a.seed), "--run-name", run, *extra], cwd=ROOT, check=True)
-    wall = time.time() - t0
-    s = read_scalars(ROOT / "runs" / run)
+    if a.run:
+        run_dir = Path(a.run)
+        done = run_dir / ".done"  # benchmarks/compare.py records its runs' wall time there
+        wall = float(done.read_text()) if done.exists() else float("nan")
+    else:
+        run_dir = ROOT / "runs" / f"bench_grpo_tiny_s{a.seed}_{int(time.time())}"
+        t0 = time.time()
+        subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--tiny", "--num-steps", str(a.steps), "--seed",
+                        str(a.seed), "--run-name", run_dir.name, *extra], cwd=ROOT, check=True)
+        wall = time.time() - t0
+    run = run_dir.name
+    s = read_scalars(run_dir)
+    a.steps = max(s["charts/step_time"])
     ev = s["eval/mean_score"]
     first_step = lambda cond: next((k for k in sorted(ev) if cond(ev[k])), None)  # noqa: E731
     step_times = s["charts/step_time"]

@@ -106,15 +106,14 @@ def activation_bytes(coef: dict, s: dict, tokens: int, selected: int, chunk: int
     head = coef[f"lm_{'nograd' if kind == 'nograd' else 'train'}"] * min(chunk, max(selected, 1)) * s["vocab"] * 4
     if kind == "nograd":
         outside = coef["outside_nograd"] * tokens * s["hidden"] * b_rest
-        return {"activations: hidden states": outside, "activations: one layer or the LM-head chunk":
-                max(layer("layer_nograd"), head)}
+        return {"activations: one layer or the LM-head chunk, and hidden states": max(layer("layer_nograd"), head)
+                + outside}
     outside = coef["outside_ckpt" if checkpointing else "outside_train"] * tokens * s["hidden"] * b_rest
     if checkpointing:
         return {"activations: layer inputs kept": s["layers"] * tokens * s["hidden"] * b_res,
-                "activations: hidden states": outside,
-                "activations: one layer's recompute + backward, or the LM-head chunk":
-                    max(layer("layer_backward"), head)}
-    return {"activations: all layers": s["layers"] * layer("layer_saved"), "activations: hidden states": outside,
+                "activations: one layer's recompute + backward (or the LM-head chunk), and hidden states":
+                    max(layer("layer_backward"), head) + outside}
+    return {"activations: all layers and hidden states": s["layers"] * layer("layer_saved") + outside,
             "activations: LM-head chunk": head}
 
 
@@ -224,13 +223,14 @@ PAPER_RUNS = [  # (label, script, flags)
     ("RPO, R1-Distill-Qwen-1.5B, 4k responses (Section 4.1)", "rpo", []),
     ("CCR, Qwen3-4B, 3 problems under 8k (Section 5.1)", "ccr", []),
 ]
-MACHINES = [(1, 80), (1, 141), (8, 80)]
+MACHINES = [(1, 79.6), (1, 139.8), (8, 79.6)]  # (GPUs, GiB each): H100 80 GB, H200 141 GB, 8 x H100 80 GB
 FALLBACKS = [[], ["--offload-optimizer"], ["--offload-optimizer", "--gpu-memory-utilization", "0.3"],
              ["--offload-optimizer", "--gpu-memory-utilization", "0.3", "--micro-batch-tokens", "16384"]]
 
 
 def table(coef: dict) -> str:
-    rows = ["| paper configuration | " + " | ".join(f"{n} x {g} GB" for n, g in MACHINES) + " |",
+    names = {79.6: "80 GB", 139.8: "141 GB"}
+    rows = ["| paper configuration | " + " | ".join(f"{n} x {names.get(g, g)}" for n, g in MACHINES) + " |",
             "|-|" + "-|" * len(MACHINES)]
     for label, script, flags in PAPER_RUNS:
         cells = []
@@ -348,7 +348,7 @@ def measure(point: tuple, ckpt: bool) -> dict:
 
 
 def shape_of(point: tuple) -> dict:
-    h, I, L, heads, kv, hd, V, T = point
+    h, I, L, heads, kv, hd, V, _ = point
     return {"hidden": h, "intermediate": I, "layers": L, "q": heads * hd, "kv": kv * hd, "vocab": V}
 
 
@@ -432,7 +432,7 @@ def main():
     ap.add_argument("--script", choices=["grpo", "ac2", "rpo", "ccr"], default="ac2")
     ap.add_argument("--config", help="a config.json (default: the script's --model, from benchmarks/configs/)")
     ap.add_argument("--gpus", type=int, default=1, help="ranks the trainer is sharded over (one per GPU)")
-    ap.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU, GiB")
+    ap.add_argument("--gpu-gib", type=float, default=79.6, help="memory of one GPU, GiB (H100 80 GB: 79.6; H200: 139.8)")
     ap.add_argument("--table", action="store_true", help="the README table: paper runs x machines")
     ap.add_argument("--calibrate", action="store_true", help="measure on this CPU, fit, check; writes the calibration")
     ap.add_argument("--refit", action="store_true", help="refit the calibration's stored measurements (no measuring)")

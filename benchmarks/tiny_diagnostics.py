@@ -25,8 +25,16 @@ sys.path.insert(0, str(ROOT))
 import ac2  # noqa: E402
 import ccr  # noqa: E402
 from common import engine  # noqa: E402
-from common.tiny import (RECIPE, TINY_PACK_BUDGET, build_tokenizer, tiny_dataset, tiny_model_path,  # noqa: E402
-                         tiny_pack_prompt, tiny_reward, tiny_solution)
+from common.tiny import (  # noqa: E402
+    RECIPE,
+    TINY_PACK_BUDGET,
+    build_tokenizer,
+    tiny_dataset,
+    tiny_model_path,
+    tiny_pack_prompt,
+    tiny_reward,
+    tiny_solution,
+)
 
 
 def main():
@@ -52,7 +60,8 @@ def main():
     conts = engine.generate(llm, [p + x for p, x in zip(prompts, prefixes)], [
         SamplingParams(n=targs.group_size, temperature=1.0, max_tokens=targs.budget - len(x), seed=i)
         for i, x in enumerate(prefixes)])
-    contexts = [ac2.critic_context(p, x, tiny_solution(numbers(r)), tok, targs) for p, x, r in zip(prompts, prefixes, rows)]
+    contexts = [ac2.critic_context(p, x, tiny_solution(numbers(r)), tok, targs)
+                for p, x, r in zip(prompts, prefixes, rows)]
     values = ac2.query_critic(llm, contexts, tok, 1024)
     by_kind: dict[str, list[tuple[float, float]]] = {}
     for r, x, c, (v, _) in zip(rows, prefixes, conts, values):

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import engine  # noqa: E402
-from common.tiny import build_tokenizer, tiny_dataset, tiny_model_path, tiny_reward  # noqa: E402
+from common import engine
+from common.tiny import build_tokenizer, tiny_dataset, tiny_model_path, tiny_reward
 
 
 def main():

@@ -303,7 +303,7 @@ class Judge:
                 if 400 <= e.status_code < 500 and e.status_code not in (408, 429):
                     break  # not retryable
                 continue
-            except (asyncio.TimeoutError, openai.APITimeoutError):
+            except (TimeoutError, openai.APITimeoutError):
                 error, detail = "timeout", f"no answer within {self.cfg.timeout_s:.0f} s"
                 continue
             except openai.APIConnectionError as e:

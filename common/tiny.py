@@ -56,7 +56,8 @@ CHARS = ["\n", " "] + [chr(c) for c in range(33, 127)]  # every printable ASCII 
 # i.e. ~600 tokens for a character-level model.
 TINY_CRITIC_INSTRUCTION = "Value of this attempt?{reference}"
 TINY_CRITIC_REFERENCE = " Reference:\n{reference_proof}"
-CRITIC_TURN = "<|im_end|>\n<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nQ value: "
+CRITIC_TURN = ("<|im_end|>\n<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n"
+               "<think>\n\n</think>\n\nQ value: ")
 # The tiny packed prompt of ccr.py (the paper's is ~300 characters); answers as in the paper's format.
 TINY_PACK_TEMPLATE = "Solve each in order, {budget} tokens in all: {problems}"
 TINY_PACK_PROBLEM, TINY_PACK_SEPARATOR = "{problem}", ";"

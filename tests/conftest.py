@@ -89,8 +89,8 @@ def run_killed_after(script: str, args: list[str], marker: Path, cwd: Path, time
 
 
 def assert_same_weights(a_dir: Path, b_dir: Path) -> None:
-    from safetensors.torch import load_file
     import torch
+    from safetensors.torch import load_file
 
     a, b = load_file(str(a_dir / "model.safetensors")), load_file(str(b_dir / "model.safetensors"))
     assert a.keys() == b.keys()

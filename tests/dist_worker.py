@@ -54,7 +54,7 @@ def main(out_dir: Path) -> None:
 
     before = sample(1)
     # one training step on the sampled tokens: each rank its rows, the denominator over all of them
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # the tiny presets' learning rate
     seqs = [p + c.token_ids for p, g in zip(prompts, before) for c in g]
     starts = [len(p) for p, g in zip(prompts, before) for _ in g]
     lens = [len(c.token_ids) for g in before for c in g]
@@ -72,7 +72,8 @@ def main(out_dir: Path) -> None:
     engine.sync_weights(llm, model)
     after = sample(3)
     gaps = [0.0] * world  # per sampling rank: request i (both its completions) came from rank i % world
-    for k, (t, c) in enumerate(zip(trainer_logprobs(model, tok, prompts, after, device), [c for g in after for c in g])):
+    trainer = trainer_logprobs(model, tok, prompts, after, device)
+    for k, (t, c) in enumerate(zip(trainer, [c for g in after for c in g])):
         gaps[(k // 2) % world] = max(gaps[(k // 2) % world], float((t - torch.tensor(c.logprobs)).abs().max()))
     weights = {n: dist.full(p.detach()).clone() for n, p in model.named_parameters()}
     if rank == 0:

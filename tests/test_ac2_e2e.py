@@ -12,7 +12,8 @@ import math
 from conftest import read_scalars, run_script, run_straight_and_resumed
 
 STEPS = 20
-LONG = ["--tiny", "--num-steps", str(STEPS), "--tau-global", "0.5", "--tau-local", "0.5", "--eval-every", "0", "--log-completions-every", "10"]
+LONG = ["--tiny", "--num-steps", str(STEPS), "--tau-global", "0.5", "--tau-local", "0.5", "--eval-every", "0",
+        "--log-completions-every", "10"]
 
 
 def test_ac2_tiny_run_critic_becomes_ready_and_chunks_replace_rollouts(tmp_path):

@@ -192,7 +192,8 @@ def test_entropy_offset_and_dual_clip_loss():
 def test_critic_context_and_target_tokens():
     tok = build_tokenizer()
     args = ac2.Args(short_critic_instruction=False)
-    prompt = tok("<|im_start|>user\nP<|im_end|>\n<|im_start|>assistant\n<think>\n", add_special_tokens=False)["input_ids"]
+    prompt = tok("<|im_start|>user\nP<|im_end|>\n<|im_start|>assistant\n<think>\n",
+                 add_special_tokens=False)["input_ids"]
     attempt = tok("12+3=15\n", add_special_tokens=False)["input_ids"]
     text = tok.decode(ac2.critic_context(prompt, attempt, "REF", tok, args))
     assert text.endswith("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nQ value: ")

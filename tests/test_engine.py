@@ -4,9 +4,9 @@ import torch
 from transformers import LlamaConfig, Qwen3Config
 from vllm import SamplingParams
 
+import grpo
 from common import engine
 from common.tiny import build_tokenizer
-import grpo
 
 
 def test_flops_coefficients_reproduce_the_ac2_paper_for_qwen3_4b():

@@ -4,9 +4,8 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
 from conftest import read_scalars, run_script, run_straight_and_resumed
+from safetensors.torch import load_file
 
 SMALL = ["--tiny", "--num-steps", "4", "--problems-per-step", "8", "--group-size", "4", "--eval-every", "2",
          "--eval-limit", "16", "--save-every", "2", "--log-completions-every", "2"]

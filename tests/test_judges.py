@@ -5,11 +5,20 @@ import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
-from common.judges import (TRAINING_GRADES, AnswerVerifier, Judge, JudgeConfig, extract_boxed, extract_final_answer,
-                           extract_proof, parse_points)
+from common.judges import (
+    TRAINING_GRADES,
+    AnswerVerifier,
+    Judge,
+    JudgeConfig,
+    extract_boxed,
+    extract_final_answer,
+    extract_proof,
+    parse_points,
+)
 
 KEY = "sk-test-secret-123"
 
@@ -17,10 +26,10 @@ KEY = "sk-test-secret-123"
 class StubJudge(BaseHTTPRequestHandler):
     """An OpenAI-compatible /chat/completions whose behaviour is chosen by a MODE:<name> tag in the prompt."""
 
-    hits: dict = {}
+    hits: ClassVar[dict] = {}
     lock = threading.Lock()
     max_tokens_limit: int | None = None  # like an endpoint whose model allows fewer output tokens than asked
-    requests: list = []
+    requests: ClassVar[list] = []
 
     def log_message(self, *args):
         pass

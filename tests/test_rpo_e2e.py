@@ -3,7 +3,6 @@
 import math
 
 import torch
-
 from conftest import read_scalars, run_script, run_straight_and_resumed
 
 # 64 problems, 16 per step, 2 epochs = 8 steps

@@ -1,0 +1,30 @@
+"""benchmarks/gpu_check.sh's CPU twin: the same steps at a small shape, so the GPU check cannot rot before a GPU
+runs it -- the random-weight model path, every script's memory logs and the report it writes."""
+
+import json
+import os
+import subprocess
+
+from conftest import ROOT
+
+PHASES = {"engine_start", "rollout", "old_logprobs", "backward", "optimizer_step", "wake_up"}
+
+
+def test_the_gpu_check_runs_at_a_small_shape_on_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, GPU_CHECK_SMALL="1", GPU_CHECK_OUT=str(out), TINY_RL_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
+                          text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert set(runs) == {"tiny-grpo", "tiny-ac2", "tiny-rpo", "tiny-ccr", "paper-grpo", "paper-ac2"}
+    for name, run in runs.items():
+        assert PHASES <= set(run["memory_gib"]), (name, run["memory_gib"])
+        assert all(v > 0 for k, v in run["memory_gib"].items() if not k.endswith("_growth")), name
+        assert len(run["step_time_s"]) == (2 if name == "paper-ac2" else 1), name
+    assert "critic_step" in runs["paper-ac2"]["memory_gib"]  # step 2 trains the critic
+    assert report["config"] == "small-test.json" and report["seconds"] > 0
+    # a random-weight model was built from the config and used: its vocabulary, not the tiny model's
+    built = next((tmp_path / "cache").glob("random-qwen3-*"))
+    assert json.loads((built / "config.json").read_text())["vocab_size"] == 512
