@@ -432,7 +432,8 @@ def main():
     ap.add_argument("--script", choices=["grpo", "ac2", "rpo", "ccr"], default="ac2")
     ap.add_argument("--config", help="a config.json (default: the script's --model, from benchmarks/configs/)")
     ap.add_argument("--gpus", type=int, default=1, help="ranks the trainer is sharded over (one per GPU)")
-    ap.add_argument("--gpu-gib", type=float, default=79.6, help="memory of one GPU, GiB (H100 80 GB: 79.6; H200: 139.8)")
+    ap.add_argument("--gpu-gib", type=float, default=79.6,
+                    help="memory of one GPU, GiB (H100 80 GB: 79.6; H200: 139.8)")
     ap.add_argument("--table", action="store_true", help="the README table: paper runs x machines")
     ap.add_argument("--calibrate", action="store_true", help="measure on this CPU, fit, check; writes the calibration")
     ap.add_argument("--refit", action="store_true", help="refit the calibration's stored measurements (no measuring)")
