@@ -732,7 +732,8 @@ def main(args: Args) -> dict:
     train_eval_rows = [train_rows[i] for i in sorted(random.Random(args.seed).sample(
         range(len(train_rows)), min(args.train_eval_problems, len(train_rows))))] if args.eval_every else []
     train_eval_prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in train_eval_rows]
-    max_len = max(map(len, prompts + eval_prompts)) + max(args.budget, args.eval_max_tokens) + args.critic_context_extra
+    eval_max_tokens = args.eval_max_tokens if args.eval_every else 0  # the engine's context need not hold it
+    max_len = max(map(len, prompts + eval_prompts)) + max(args.budget, eval_max_tokens) + args.critic_context_extra
     max_len = min(max_len, getattr(config.get_text_config(), "max_position_embeddings", max_len))
     peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
     peaks.start()

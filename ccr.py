@@ -419,7 +419,8 @@ def main(args: Args) -> dict:
                           for r in train_eval_rows]
     longest_pack = max(len(pack_prompt([r[args.problem_field] for r in rows[i : i + args.pack_size]]))
                        for i in range(0, min(len(rows), 300), args.pack_size))
-    max_len = max(longest_pack + args.budget, max(map(len, eval_prompts or [[0]])) + args.eval_max_tokens) + 256
+    eval_len = max(map(len, eval_prompts)) + args.eval_max_tokens if eval_prompts else 0
+    max_len = max(longest_pack + args.budget, eval_len) + 256
     peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
     peaks.start()
     llm = engine.create_engine(model_path, max_model_len=max_len, seed=args.seed,

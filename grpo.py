@@ -471,10 +471,11 @@ def main(args: Args) -> dict:
     train_eval_prompts = [encode_prompt(tokenizer, args.prompt_template, r[args.problem_field])
                           for r in train_eval_rows]
     longest_prompt = max(map(len, prompts + eval_prompts))
+    eval_max_tokens = args.eval_max_tokens if args.eval_every else 0  # the engine's context need not hold it
     peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
     peaks.start()
     llm = engine.create_engine(
-        model_path, max_model_len=longest_prompt + max(args.max_response_tokens, args.eval_max_tokens) + 8,
+        model_path, max_model_len=longest_prompt + max(args.max_response_tokens, eval_max_tokens) + 8,
         seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
     )
     peaks.end("engine_start")

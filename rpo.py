@@ -430,7 +430,7 @@ def main(args: Args) -> dict:
         range(len(train_rows)), min(args.train_eval_problems, len(train_rows))))] if args.eval_every else []
     train_eval_prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in train_eval_rows]
     cache_init_max_tokens = cache_init_limit(args)
-    longest = max(args.max_response_tokens, args.eval_max_tokens, cache_init_max_tokens)
+    longest = max(args.max_response_tokens, args.eval_max_tokens if args.eval_every else 0, cache_init_max_tokens)
     peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
     peaks.start()
     llm = engine.create_engine(model_path, max_model_len=max(map(len, prompts + eval_prompts)) + longest + 8,
