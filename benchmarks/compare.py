@@ -74,7 +74,8 @@ def main():
     a = ap.parse_args()
     t_start = time.time()
     methods = list(dict.fromkeys(a.methods + [METHODS[m][3] for m in a.methods]))  # with their matched GRPO
-    dirs = {m: [run(m, s, a.steps, a.fresh) for s in a.seeds] for m in methods}
+    done = {(m, s): run(m, s, a.steps, a.fresh) for s in a.seeds for m in methods}  # seed by seed
+    dirs = {m: [done[(m, s)] for s in a.seeds] for m in methods}
     logs = {m: [read_scalars(d) for d in ds] for m, ds in dirs.items()}
     run_seconds = sum(float((d / ".done").read_text()) for ds in dirs.values() for d in ds)
     out = Path(a.out)
