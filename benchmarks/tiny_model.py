@@ -1,10 +1,14 @@
-"""Build (or reuse) the built-in tiny model and measure its starting accuracy on the held-out split.
+"""The built-in tiny model: its build record and its starting accuracy on the held-out split.
 
-    python benchmarks/tiny_model.py [--samples 8]
+    python benchmarks/tiny_model.py [--samples 8]      # the shipped model (common/tiny_model/)
+    python benchmarks/tiny_model.py --rebuild          # rebuild it from its recipe (~20 min on 2 cores) and compare
 
-Reports the cached build's wall time and final SFT loss, then held-out accuracy sampling at T = 1 (what the
-tiny configurations train and evaluate with), at the paper's evaluation settings (T 0.8 / top-p 0.95 /
-top-k 20) and greedy, by difficulty (number of terms). Writes benchmarks/results/tiny_model.json.
+Reports the build's wall time and final SFT loss, then held-out accuracy sampling at T = 1 (what the tiny
+configurations train and evaluate with), at the paper's evaluation settings (T 0.8 / top-p 0.95 / top-k 20) and
+greedy, by difficulty (number of terms). With --rebuild, the model is rebuilt from scratch into the cache
+($TINY_RL_CACHE or ~/.cache/tiny-rl) and compared with the shipped weights: the build is deterministic on one
+machine but floating-point kernels differ between CPUs, which is why the repository ships the weights.
+Writes benchmarks/results/tiny_model.json (the shipped model) or tiny_model_rebuild.json.
 """
 
 import argparse
@@ -15,15 +19,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import engine
-from common.tiny import build_tokenizer, tiny_dataset, tiny_model_path, tiny_reward
+from common.tiny import SHIPPED, build_tokenizer, tiny_dataset, tiny_model_path, tiny_reward
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=8, help="samples per held-out problem")
+    ap.add_argument("--rebuild", action="store_true", help="rebuild from the recipe and compare with the shipped")
     args = ap.parse_args()
     t0 = time.time()
-    path = tiny_model_path()
+    path = tiny_model_path(rebuild=args.rebuild)
     build = json.loads((Path(path) / "tiny_build.json").read_text())
     print(f"tiny model at {path} (ready in {time.time() - t0:.1f}s; its build took {build['build_seconds']}s, "
           f"SFT loss {build['sft_loss_first']} -> {build['sft_loss_last']})")
@@ -40,7 +45,18 @@ def main():
         "sampled_T0.8_p0.95_k20": dict(n=args.samples, temperature=0.8, top_p=0.95, top_k=20),
         "greedy": dict(n=1, temperature=0.0),
     }
-    result = {"build_seconds": build["build_seconds"], "recipe": build["recipe"], "accuracy": {}}
+    result = {"build_seconds": build["build_seconds"], "sft_loss_last": build["sft_loss_last"],
+              "recipe": build["recipe"], "accuracy": {}}
+    if args.rebuild:
+        from safetensors.torch import load_file
+
+        new, shipped = (load_file(str(Path(p) / "model.safetensors")) for p in (path, SHIPPED))
+        diffs = {k: float((new[k] - shipped[k]).abs().max()) for k in shipped}
+        result["against_shipped"] = {
+            "identical_tensors": f"{sum(d == 0 for d in diffs.values())} of {len(diffs)}",
+            "max_abs_weight_difference": max(diffs.values()),
+            "shipped_sft_loss_last": json.loads((SHIPPED / "tiny_build.json").read_text())["sft_loss_last"]}
+        print(json.dumps(result["against_shipped"]))
     for name, kw in settings.items():
         params = [SamplingParams(max_tokens=200, seed=i, **kw) for i in range(len(test))]
         groups = engine.generate(llm, prompts, params)
@@ -54,7 +70,7 @@ def main():
             f"{k}_terms": round(sum(v) / len(v), 3) for k, v in sorted(by_difficulty.items())}}
         print(f"{name:>24}: {acc:.3f}  by terms: " + " ".join(
             f"{k}:{sum(v) / len(v):.2f}" for k, v in sorted(by_difficulty.items())))
-    out = Path(__file__).parent / "results" / "tiny_model.json"
+    out = Path(__file__).parent / "results" / f"tiny_model{'_rebuild' if args.rebuild else ''}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -24,12 +24,13 @@ RL has room to close that gap. Two other kinds of warm-start batches stand in fo
 before RL: partial traces in AC2's critic prompt (one batch in `format_every`), answered with the warm-start
 policy's own rough chance of success (0 once a line is wrong, else 0.8 per line still to write) -- a prompted
 LLM critic likewise starts roughly right, and AC2 must keep it right as the policy changes; and packed prompts
-of 1-3 problems answered in CCR's format (each problem solved, then its `Answer k: \\boxed{..}` line), three
-batches in every `format_every`. So many because a packed problem's terms sit wherever the problems before
-it end: with packs one batch in eight (recipe v5) the model learned to find a term by its place in the
-prompt, which packing moves, and solved no packed problem at all (README, Findings 2). The build is
-deterministic given the recipe, takes about 20 minutes on 2 cores, and is cached on disk
-(``$TINY_RL_CACHE`` or ``~/.cache/tiny-rl``) for every script and test.
+of 1-3 problems answered in CCR's format (thinking closed at once, then each problem solved and its
+`Answer k: \\boxed{..}` line written, in the answer section ccr.py parses), three batches in every
+`format_every`. So many because a packed problem's terms sit wherever the problems before it end: with packs
+one batch in eight (recipe v5) the model learned to find a term by its place in the prompt, which packing
+moves, and solved no packed problem at all (docs/results.md, Findings). The build is deterministic on one
+machine but not across CPUs, so the built model ships in common/tiny_model/ (`tiny_model_path`); rebuilding
+from the recipe takes about 20 minutes on 2 cores and is cached in ``$TINY_RL_CACHE`` or ``~/.cache/tiny-rl``.
 """
 
 from __future__ import annotations
