@@ -737,6 +737,8 @@ def main(args: Args) -> dict:
     max_len = min(max_len, getattr(config.get_text_config(), "max_position_embeddings", max_len))
     peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
     peaks.start()
+    if master:
+        print(f"starting the vLLM engine for {args.model} ...", flush=True)
     llm = engine.create_engine(model_path, max_model_len=max_len, seed=args.seed,
                                gpu_memory_utilization=args.gpu_memory_utilization)
     peaks.end("engine_start")
@@ -800,7 +802,7 @@ def main(args: Args) -> dict:
         params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
                                  top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
                                  seed=request_seed(args.seed, -1, i)) for i in range(len(eval_prompts))]
-        groups = engine.generate(llm, eval_prompts, params)
+        groups = engine.generate(llm, eval_prompts, params, progress="evaluation: held-out problems")
         texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
         scored, _ = judge_texts(texts, [r for r in eval_rows for _ in range(args.eval_samples)], validation=True)
         score = float(np.mean([(p or 0) / 7 for p, _ in scored]))
@@ -814,7 +816,7 @@ def main(args: Args) -> dict:
             params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
                                      top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
                                      seed=request_seed(args.seed, -4, i)) for i in range(len(train_eval_prompts))]
-            groups = engine.generate(llm, train_eval_prompts, params)
+            groups = engine.generate(llm, train_eval_prompts, params, progress="evaluation: training problems")
             texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
             scored, _ = judge_texts(texts, [r for r in train_eval_rows for _ in range(args.eval_samples)])
             if master:

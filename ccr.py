@@ -423,6 +423,8 @@ def main(args: Args) -> dict:
     max_len = max(longest_pack + args.budget, eval_len) + 256
     peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
     peaks.start()
+    if master:
+        print(f"starting the vLLM engine for {args.model} ...", flush=True)
     llm = engine.create_engine(model_path, max_model_len=max_len, seed=args.seed,
                                gpu_memory_utilization=args.gpu_memory_utilization)
     peaks.end("engine_start")
@@ -475,7 +477,7 @@ def main(args: Args) -> dict:
         params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
                                  top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
                                  seed=request_seed(args.seed, -1, i)) for i in range(len(eval_prompts))]
-        groups = engine.generate(llm, eval_prompts, params)
+        groups = engine.generate(llm, eval_prompts, params, progress="evaluation: held-out problems")
         texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
         golds = [r for r in eval_rows for _ in range(args.eval_samples)]
         if args.eval_dataset == "tiny":
@@ -490,7 +492,7 @@ def main(args: Args) -> dict:
             params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
                                      top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
                                      seed=request_seed(args.seed, -4, i)) for i in range(len(train_eval_prompts))]
-            groups = engine.generate(llm, train_eval_prompts, params)
+            groups = engine.generate(llm, train_eval_prompts, params, progress="evaluation: training problems")
             texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
             golds = [r for r in train_eval_rows for _ in range(args.eval_samples)]
             answers = [extract_final_answer(t) for t in texts]
@@ -499,7 +501,7 @@ def main(args: Args) -> dict:
         for n in args.packed_eval_sizes:
             eval_packs = [eval_rows[i : i + n] for i in range(0, len(eval_rows) - n + 1, n)]
             prompts_n = [pack_prompt([r[args.eval_problem_field] for r in p]) for p in eval_packs]
-            outs = engine.generate(llm, prompts_n, [SamplingParams(
+            outs = engine.generate(llm, prompts_n, progress=f"evaluation: packs of {n}", params=[SamplingParams(
                 n=1, temperature=args.eval_temperature, top_p=args.eval_top_p, top_k=args.eval_top_k,
                 max_tokens=args.budget, seed=request_seed(args.seed, -3, n, i)) for i in range(len(prompts_n))])
             scored = score_packs([tok.decode(o[0].token_ids, skip_special_tokens=True) for o in outs], eval_packs,

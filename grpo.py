@@ -474,6 +474,8 @@ def main(args: Args) -> dict:
     eval_max_tokens = args.eval_max_tokens if args.eval_every else 0  # the engine's context need not hold it
     peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
     peaks.start()
+    if master:
+        print(f"starting the vLLM engine for {args.model} ...", flush=True)
     llm = engine.create_engine(
         model_path, max_model_len=longest_prompt + max(args.max_response_tokens, eval_max_tokens) + 8,
         seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -518,7 +520,7 @@ def main(args: Args) -> dict:
                                  top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
                                  seed=request_seed(args.seed, -1, i))  # same seeds at every evaluation
                   for i in range(len(eval_prompts))]
-        groups = engine.generate(llm, eval_prompts, params)
+        groups = engine.generate(llm, eval_prompts, params, progress="evaluation: held-out problems")
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
         rows = [r for r in eval_rows for _ in range(args.eval_samples)]
         rewards, valid, points, _ = score_responses(args, texts, rows, verifier=verifier, judge=judge,
@@ -535,7 +537,7 @@ def main(args: Args) -> dict:
             params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
                                      top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
                                      seed=request_seed(args.seed, -4, i)) for i in range(len(train_eval_prompts))]
-            groups = engine.generate(llm, train_eval_prompts, params)
+            groups = engine.generate(llm, train_eval_prompts, params, progress="evaluation: training problems")
             texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
             rows = [r for r in train_eval_rows for _ in range(args.eval_samples)]
             train_score = float(np.mean(score_responses(args, texts, rows, verifier=verifier, judge=judge)[0]))

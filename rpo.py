@@ -433,6 +433,8 @@ def main(args: Args) -> dict:
     longest = max(args.max_response_tokens, args.eval_max_tokens if args.eval_every else 0, cache_init_max_tokens)
     peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
     peaks.start()
+    if master:
+        print(f"starting the vLLM engine for {args.model} ...", flush=True)
     llm = engine.create_engine(model_path, max_model_len=max(map(len, prompts + eval_prompts)) + longest + 8,
                                seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization)
     peaks.end("engine_start")
@@ -478,7 +480,7 @@ def main(args: Args) -> dict:
         params = [SamplingParams(temperature=args.cache_init_temperature, top_p=args.cache_init_top_p,
                                  max_tokens=cache_init_max_tokens, seed=request_seed(args.seed, -2, step, p))
                   for p in problems]
-        answers = engine.generate(llm, [prompts[p] for p in problems], params)
+        answers = engine.generate(llm, [prompts[p] for p in problems], params, progress="the cache's first answers")
         texts = [tok.decode(a[0].token_ids, skip_special_tokens=True) for a in answers]
         rewards = verify(texts, [train_rows[p] for p in problems], args.answer_field, args.dataset == "tiny")
         for p, a, r, t in zip(problems, answers, rewards, texts):
@@ -494,7 +496,7 @@ def main(args: Args) -> dict:
         params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
                                  top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
                                  seed=request_seed(args.seed, -1, i)) for i in range(len(eval_prompts))]
-        groups = engine.generate(llm, eval_prompts, params)
+        groups = engine.generate(llm, eval_prompts, params, progress="evaluation: held-out problems")
         texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
         score = float(np.mean(verify(texts, [r for r in eval_rows for _ in range(args.eval_samples)],
                                      args.eval_answer_field, args.eval_dataset == "tiny")))
@@ -506,7 +508,7 @@ def main(args: Args) -> dict:
             params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
                                      top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
                                      seed=request_seed(args.seed, -4, i)) for i in range(len(train_eval_prompts))]
-            groups = engine.generate(llm, train_eval_prompts, params)
+            groups = engine.generate(llm, train_eval_prompts, params, progress="evaluation: training problems")
             texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
             train_score = float(np.mean(verify(texts, [r for r in train_eval_rows for _ in range(args.eval_samples)],
                                                args.answer_field, args.dataset == "tiny")))

@@ -90,27 +90,34 @@ def create_engine(
     )
 
 
-def generate(llm, prompts: list[list[int]], params) -> list[list[Completion]]:
+def generate(llm, prompts: list[list[int]], params, progress: str | None = None) -> list[list[Completion]]:
     """Sample from token-id prompts. `params` is one `SamplingParams` or one per prompt (request `n` >= 1).
 
     Returns, per prompt, its `n` completions with new token ids (the end-of-turn token included when it
     was sampled), per-token sampling log-probabilities (request `logprobs=0`) and finish reasons.
     Under torchrun every rank calls it with the same prompts: each samples every WORLD-th one and all receive
     every result, so what is sampled depends only on each request's seed, not on the number of ranks.
+    `progress` names a phase that may take a while (an evaluation, a cache's first answers): rank 0 then shows
+    a progress bar with vLLM's time estimate, cleared when done.
     """
     from common import dist
 
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-    return dist.shared_map(lambda share: _generate(llm, share), list(zip(prompts, per_prompt)))
+    bar = False
+    if progress and dist.RANK == 0:
+        from tqdm import tqdm
+
+        bar = lambda *a, **kw: tqdm(*a, **{**kw, "desc": progress, "leave": False})  # noqa: E731
+    return dist.shared_map(lambda share: _generate(llm, share, bar), list(zip(prompts, per_prompt)))
 
 
-def _generate(llm, requests: list) -> list[list[Completion]]:
+def _generate(llm, requests: list, bar=False) -> list[list[Completion]]:
     from vllm.inputs import TokensPrompt
 
     if not requests:
         return []
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in requests], [sp for _, sp in requests],
-                           use_tqdm=False)
+                           use_tqdm=bar)
     result = []
     for out in outputs:
         group = []

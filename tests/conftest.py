@@ -37,8 +37,10 @@ def engine_and_model(tiny_model):
 GPU = torch.cuda.is_available()
 # vLLM's sampling log-probabilities against the trainer's on the same tokens: equal to fp32 rounding on CPU; on
 # GPU the engine computes in bf16 while the test trainers are fp32
-LOGPROB_GAP = 0.25 if GPU else 1e-4
-MISMATCH_KL = 1e-2 if GPU else 1e-4
+# (the GPU values are allowances for bf16 rounding, not yet checked on a GPU: benchmarks/gpu_check.sh runs them)
+LOGPROB_GAP = 0.25 if GPU else 1e-4  # largest gap over one short completion
+MISMATCH_KL = 1e-2 if GPU else 1e-4  # k3 KL over a step's tokens
+MISMATCH_MAX = 1.0 if GPU else 1e-3  # largest gap over a step's tokens
 CPU_ONLY = pytest.mark.skipif(GPU, reason="bit-for-bit equality: GPU kernels are not bitwise "
                                                         "deterministic; the CPU suite pins it")
 

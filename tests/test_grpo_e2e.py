@@ -4,7 +4,7 @@ import math
 from pathlib import Path
 
 import torch
-from conftest import read_scalars, run_script, run_straight_and_resumed
+from conftest import CPU_ONLY, MISMATCH_KL, MISMATCH_MAX, read_scalars, run_script, run_straight_and_resumed
 from safetensors.torch import load_file
 
 SMALL = ["--tiny", "--num-steps", "4", "--problems-per-step", "8", "--group-size", "4", "--eval-every", "2",
@@ -32,8 +32,8 @@ def test_grpo_tiny_run_logs_every_metric_and_changes_the_weights(tmp_path, tiny_
     # 32 responses per step of ~15-65 tokens each
     assert 32 * 10 < tokens[1] < 32 * 150
     # the engine samples from exactly the trainer's weights, step after step
-    assert max(s["sampling/mismatch_kl"].values()) < 1e-4
-    assert max(s["sampling/mismatch_max"].values()) < 1e-3
+    assert max(s["sampling/mismatch_kl"].values()) < MISMATCH_KL
+    assert max(s["sampling/mismatch_max"].values()) < MISMATCH_MAX
     assert abs(s["losses/eps_high"][1] - (0.28 + 0.08)) < 1e-6 # k0 = 0.06, tiny entropy is below H* = 0.28: +0.02
     assert 0 < s["train/response_len_mean"][1] < 150
     before, after = weights(Path(tiny_model)), weights(tmp_path / "checkpoints/e2e/step_4/policy")
@@ -41,6 +41,7 @@ def test_grpo_tiny_run_logs_every_metric_and_changes_the_weights(tmp_path, tiny_
     assert len(changed) == len(before), "every parameter tensor should have moved"
 
 
+@CPU_ONLY
 def test_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
     # the same run, killed (SIGKILL) once its step-2 checkpoint exists, then resumed from it
     (_, sa), (_, sb) = run_straight_and_resumed("grpo.py", SMALL, 2, 4, tmp_path)
