@@ -45,9 +45,10 @@ CPU_ONLY = pytest.mark.skipif(GPU, reason="bit-for-bit equality: GPU kernels are
                                                         "deterministic; the CPU suite pins it")
 
 
-def command(script: str, args, ranks: int = 1) -> list[str]:
-    """`python script args`, or `torchrun --nproc_per_node ranks script args` (standalone rendezvous)."""
-    if ranks == 1:
+def command(script: str, args, ranks: int = 1, torchrun: bool | None = None) -> list[str]:
+    """`python script args`, or `torchrun --nproc_per_node ranks script args` (standalone rendezvous; by default
+    when ranks > 1)."""
+    if not (ranks > 1 if torchrun is None else torchrun):
         return [sys.executable, str(ROOT / script), *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
             str(ROOT / script), *args]

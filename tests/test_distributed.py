@@ -12,11 +12,11 @@ from conftest import CPU_ONLY, LOGPROB_GAP, ROOT, command, read_scalars, run_scr
 from safetensors.torch import load_file
 
 
-def run_worker(ranks: int, out, timeout: int = 900) -> dict:
+def run_worker(ranks: int, out, timeout: int = 900, torchrun: bool | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1" if ranks > 1 else os.environ.get(
         "OMP_NUM_THREADS", "2"))
-    proc = subprocess.run(command("tests/dist_worker.py", [str(out)], ranks), capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=out.parent)
+    proc = subprocess.run(command("tests/dist_worker.py", [str(out)], ranks, torchrun), capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=out.parent)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads((out / "result.json").read_text())
 
@@ -41,6 +41,16 @@ def test_two_ranks_sample_what_one_samples_and_every_engine_follows_the_sharded_
 
 # micro-batches of at most 300 padded tokens: the ranks end up with different numbers of them (measured: three
 # idle passes with gradients and three without on rank 0), so the padding with idle passes is exercised too
+def test_one_rank_under_torchrun_shards_and_computes_what_a_plain_process_does(tmp_path):
+    # the path every GPU run takes, a single GPU included: a process group, FSDP2 over one rank, vLLM's external
+    # launcher (on GPU it also computes in bf16, which a CPU cannot check)
+    plain, sharded = run_worker(1, tmp_path / "plain"), run_worker(1, tmp_path / "one", torchrun=True)
+    assert sharded["completions"] == plain["completions"]
+    assert max(sharded["gap_per_rank"]) < LOGPROB_GAP and sharded["stale_gap"] > 100 * LOGPROB_GAP
+    w1, w2 = torch.load(tmp_path / "plain/weights.pt"), torch.load(tmp_path / "one/weights.pt")
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
+
+
 GRPO = ["--tiny", "--num-steps", "2", "--problems-per-step", "8", "--group-size", "4", "--eval-every", "2",
         "--eval-limit", "16", "--save-every", "2", "--micro-batch-tokens", "300"]
 
