@@ -14,7 +14,8 @@ from the chunk's endpoint to the end of the budget, scored by the tiny verifier 
 carry their verifier reward in both. Per group, advantages A_i = v_i - mean_j v_j (AC2's lambda = 0 estimator)
 from the critic against the same from the Monte-Carlo values, compared on the consumed rows: sign agreement
 (where the Monte-Carlo advantage is at least half a grid step, 0.05, from 0), Pearson correlation, mean absolute
-error; and the critic's value error. Before readiness AC2 does not use the critic: those numbers say what
+error; the share of chunks the critic gave no advantage at all (every chunk of the group valued alike; such a
+chunk counts as a sign disagreement); and the critic's value error. Before readiness AC2 does not use the critic: those numbers say what
 trusting it then would have given. "ready" restricts to problems the checkpoint's table holds ready.
 Writes benchmarks/results/ac2_advantage.json.
 """
@@ -106,6 +107,7 @@ def analyse(llm, ckpt: Path, groups: int, rollouts: int, seed: int) -> dict:
             "sign_agreement": round(float(np.mean(np.sign(a_c[clear]) == np.sign(a_m[clear]))), 3) if clear.any()
             else None,
             "chunks_with_a_clear_mc_sign": int(clear.sum()),
+            "critic_advantage_zero": round(float(np.mean(a_c == 0)), 3),  # the critic saw no difference
             "advantage_correlation": round(float(np.corrcoef(a_c, a_m)[0, 1]), 3) if a_c.std() and a_m.std()
             else None,
             "advantage_mae": round(float(np.mean(np.abs(a_c - a_m))), 3),
