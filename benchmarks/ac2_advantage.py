@@ -15,8 +15,9 @@ carry their verifier reward in both. Per group, advantages A_i = v_i - mean_j v_
 from the critic against the same from the Monte-Carlo values, compared on the consumed rows: sign agreement
 (where the Monte-Carlo advantage is at least half a grid step, 0.05, from 0), Pearson correlation, mean absolute
 error; the share of chunks the critic gave no advantage at all (every chunk of the group valued alike; such a
-chunk counts as a sign disagreement); and the critic's value error. Before readiness AC2 does not use the critic: those numbers say what
-trusting it then would have given. "ready" restricts to problems the checkpoint's table holds ready.
+chunk counts as a sign disagreement); and the critic's value error. Before readiness AC2 does not use the
+critic: those numbers say what trusting it then would have given. "ready" restricts to problems the
+checkpoint's table holds ready.
 Writes benchmarks/results/ac2_advantage.json.
 """
 
