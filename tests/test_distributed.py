@@ -111,3 +111,10 @@ def test_a_two_rank_run_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path):
     for key in ["train/reward_mean", "losses/policy_loss", "losses/entropy", "charts/generated_tokens"]:
         assert [sb[key][k] for k in (3, 4)] == [sa[key][k] for k in (3, 4)], key
     assert a["entropy_k"] == b["entropy_k"] and b["world_size"] == 2
+    # the same checkpoint continues on one rank: the optimizer state is resharded, and step 3 samples what the
+    # two-rank continuation sampled (same weights, same global seeds)
+    run_script("grpo.py", *args, "--resume", str(tmp_path / "checkpoints/killed/step_2"), "--run-name", "on_one",
+               cwd=tmp_path)
+    s1 = read_scalars(tmp_path / "runs/on_one")
+    for key in ["charts/generated_tokens", "train/reward_mean", "train/response_len_mean"]:
+        assert s1[key][3] == sb[key][3], key
