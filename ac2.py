@@ -775,7 +775,8 @@ def main(args: Args) -> dict:
     start_step, total_flops, total_tokens = 0, 0, 0
     judge_streak = 0  # consecutive steps in which over half of the judge calls failed (not checkpointed)
     if ckpt:
-        dist.load_checkpoint(resume_dir, model, {"actor": actor_opt, "critic": critic_opt})
+        dist.load_checkpoint(resume_dir, model, {"actor": actor_opt, "critic": critic_opt},
+                             offload=("critic", "actor") if args.offload_optimizer else ("critic",))
         buffer.extend(Trajectory(**t) for t in ckpt["buffer"])
         tracker.load(ckpt["readiness"])
         bank, critic_fifo = ckpt["bank"], collections.deque(ckpt["critic_fifo"], maxlen=args.critic_buffer)
@@ -783,9 +784,6 @@ def main(args: Args) -> dict:
         start_step, total_flops, total_tokens = ckpt["step"], ckpt["decoding_flops"], ckpt["generated_tokens"]
         if master:
             print(f"resumed from {resume_dir} at step {start_step}")
-    dist.offload_state(critic_opt, "cpu")
-    if args.offload_optimizer:
-        dist.offload_state(actor_opt, "cpu")
     engine.sync_weights(llm, model)  # the engine serves exactly the trainer's (possibly resumed) weights
 
     writer = SummaryWriter(f"runs/{run_name}") if master else None  # rank 0 logs

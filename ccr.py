@@ -452,13 +452,12 @@ def main(args: Args) -> dict:
     start_step, total_flops, total_tokens = 0, 0, 0
     packs, packs_epoch = make_packs(difficulties, args.pack_size, 0, args.seed), 0
     if ckpt:
-        dist.load_checkpoint(resume_dir, model, {"optimizer": optimizer})
+        dist.load_checkpoint(resume_dir, model, {"optimizer": optimizer},
+                             offload=("optimizer",) if args.offload_optimizer else ())
         start_step, total_flops, total_tokens = ckpt["step"], ckpt["decoding_flops"], ckpt["generated_tokens"]
         packs, packs_epoch = ckpt["packs"], ckpt["packs_epoch"]
         if master:
             print(f"resumed from {resume_dir} at step {start_step}")
-    if args.offload_optimizer:
-        dist.offload_state(optimizer, "cpu")
     engine.sync_weights(llm, model)
 
     writer = SummaryWriter(f"runs/{run_name}") if master else None  # rank 0 logs

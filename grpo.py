@@ -488,13 +488,12 @@ def main(args: Args) -> dict:
     start_step, k_entropy, total_flops, total_tokens = 0, args.entropy_k_init, 0, 0
     judge_streak = 0  # consecutive steps in which over half of the judge calls failed (not checkpointed)
     if ckpt:
-        dist.load_checkpoint(resume_dir, model, {"optimizer": optimizer})
+        dist.load_checkpoint(resume_dir, model, {"optimizer": optimizer},
+                             offload=("optimizer",) if args.offload_optimizer else ())
         start_step, k_entropy = ckpt["step"], ckpt["entropy_k"]
         total_flops, total_tokens = ckpt["decoding_flops"], ckpt["generated_tokens"]
         if master:
             print(f"resumed from {resume_dir} at step {start_step}")
-    if args.offload_optimizer:
-        dist.offload_state(optimizer, "cpu")
     engine.sync_weights(llm, model)  # the engine serves exactly the trainer's (possibly resumed) weights
 
     def save(at_step: int) -> Path:

@@ -454,15 +454,14 @@ def main(args: Args) -> dict:
     previous_shortest: dict[int, int] = {}
     start_step, total_flops, total_tokens = 0, 0, 0
     if ckpt:
-        dist.load_checkpoint(resume_dir, model, {"optimizer": optimizer})
+        dist.load_checkpoint(resume_dir, model, {"optimizer": optimizer},
+                             offload=("optimizer",) if args.offload_optimizer else ())
         schedule.load_state_dict(ckpt["schedule"])
         cache, cache_correct, previous_shortest = ckpt["cache"], ckpt["cache_correct"], ckpt["previous_shortest"]
         cache_finished = ckpt["cache_finished"]
         start_step, total_flops, total_tokens = ckpt["step"], ckpt["decoding_flops"], ckpt["generated_tokens"]
         if master:
             print(f"resumed from {resume_dir} at step {start_step}")
-    if args.offload_optimizer:
-        dist.offload_state(optimizer, "cpu")
     engine.sync_weights(llm, model)
 
     writer = SummaryWriter(f"runs/{run_name}") if master else None  # rank 0 logs

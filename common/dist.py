@@ -256,6 +256,9 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizers: dict
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     final, tmp = run_dir / f"step_{step}", run_dir / f".step_{step}.tmp"
+    # an optimizer that has not stepped yet has no state to save (asking torch for its state dict would create
+    # one with a step taken, and change the run: AdamW's bias correction counts steps)
+    stepped = [name for name, opt in optimizers.items() if opt.state]
     if RANK == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -266,10 +269,10 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizers: dict
     if RANK == 0:
         model.save_pretrained(tmp / "policy", state_dict=weights)
         tokenizer.save_pretrained(tmp / "policy")
-        torch.save({"step": step, "world_size": WORLD, **state}, tmp / "trainer_state.pt")
+        torch.save({"step": step, "world_size": WORLD, "optimizers_saved": stepped, **state}, tmp / "trainer_state.pt")
     with warnings.catch_warnings():  # one process: DCP says it saves without a process group, as it should
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        dcp.save({name: get_optimizer_state_dict(model, opt) for name, opt in optimizers.items()},
+        dcp.save({name: get_optimizer_state_dict(model, opt) for name, opt in optimizers.items() if name in stepped},
                  checkpoint_id=tmp / "optimizer", process_group=_cpu_group, no_dist=not _on)
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -305,19 +308,22 @@ def read_state(folder: Path) -> dict:
     return torch.load(folder / "trainer_state.pt", map_location="cpu", weights_only=False)
 
 
-def load_checkpoint(folder: Path, model, optimizers: dict) -> None:
-    """Restore the optimizers' states (resharded to this world size; each state lands where its parameters
-    are) and this rank's random states (rank 0's when the checkpoint had fewer ranks). The weights are loaded
-    by the caller, from folder/policy, before sharding."""
+def load_checkpoint(folder: Path, model, optimizers: dict, offload: tuple[str, ...] = ()) -> None:
+    """Restore the optimizers' states (resharded to this world size; each lands where its parameters are, then
+    those named in `offload` move to CPU memory) and this rank's random states (rank 0's when the checkpoint had
+    fewer ranks). One optimizer at a time, so that only one state is ever on the GPU. The weights are loaded by
+    the caller, from folder/policy, before sharding."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    states = {name: get_optimizer_state_dict(model, opt) for name, opt in optimizers.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        dcp.load(states, checkpoint_id=folder / "optimizer", process_group=_cpu_group, no_dist=not _on)
-    for name, opt in optimizers.items():
-        set_optimizer_state_dict(model, opt, states[name])
+    for name in read_state(folder)["optimizers_saved"]:  # those that had stepped when it was saved
+        state = {name: get_optimizer_state_dict(model, optimizers[name])}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+            dcp.load(state, checkpoint_id=folder / "optimizer", process_group=_cpu_group, no_dist=not _on)
+        set_optimizer_state_dict(model, optimizers[name], state[name])
+        if name in offload:
+            offload_state(optimizers[name], "cpu")
     rng_file = folder / f"rng_{RANK}.pt"
     rng = torch.load(rng_file if rng_file.exists() else folder / "rng_0.pt", map_location="cpu", weights_only=False)
     random.setstate(rng["python"])

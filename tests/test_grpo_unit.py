@@ -123,6 +123,8 @@ def test_checkpoint_is_atomic_when_killed_mid_save(tmp_path, small_model, monkey
     tok = build_tokenizer()
     opt = torch.optim.AdamW(small_model.parameters())
     good = dist.save_checkpoint(tmp_path, 2, small_model, tok, {"optimizer": opt}, {"entropy_k": 0.1}, keep=2)
+    # an optimizer that has not stepped is not saved, and saving gives it no state (AdamW counts its steps)
+    assert not opt.state and torch.load(good / "trainer_state.pt", weights_only=False)["optimizers_saved"] == []
     real_save = torch.save
 
     def dying_save(obj, path, *a, **k):
