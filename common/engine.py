@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import torch
 
@@ -107,7 +108,8 @@ def generate(llm, prompts: list[list[int]], params, progress: str | None = None)
     if progress and dist.RANK == 0:
         from tqdm import tqdm
 
-        bar = lambda *a, **kw: tqdm(*a, **{**kw, "desc": progress, "leave": False})  # noqa: E731
+        every = 0.1 if sys.stderr.isatty() else 30.0  # a log file gets a line every 30 s, not a stream of them
+        bar = lambda *a, **kw: tqdm(*a, **{**kw, "desc": progress, "leave": False, "mininterval": every})  # noqa: E731
     return dist.shared_map(lambda share: _generate(llm, share, bar), list(zip(prompts, per_prompt)))
 
 
