@@ -795,13 +795,17 @@ def main(args: Args) -> dict:
 
             wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
 
-    def evaluate(step: int) -> float:
-        t0 = time.time()
+    def sample_for_eval(prompts_: list[list[int]], salt: int, label: str):
+        """The evaluation sampler on these prompts, the same seeds at every evaluation: (groups, texts)."""
         params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
                                  top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
-                                 seed=request_seed(args.seed, -1, i)) for i in range(len(eval_prompts))]
-        groups = engine.generate(llm, eval_prompts, params, progress="evaluation: held-out problems")
-        texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+                                 seed=request_seed(args.seed, salt, i)) for i in range(len(prompts_))]
+        groups = engine.generate(llm, prompts_, params, progress=f"evaluation: {label}")
+        return groups, [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+
+    def evaluate(step: int) -> float:
+        t0 = time.time()
+        groups, texts = sample_for_eval(eval_prompts, -1, "held-out problems")
         scored, _ = judge_texts(texts, [r for r in eval_rows for _ in range(args.eval_samples)], validation=True)
         score = float(np.mean([(p or 0) / 7 for p, _ in scored]))
         if master:
@@ -811,11 +815,7 @@ def main(args: Args) -> dict:
             writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])),
                               step)
         if train_eval_prompts:  # the same sampling on training problems (training grader): the train / held-out gap
-            params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
-                                     top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
-                                     seed=request_seed(args.seed, -4, i)) for i in range(len(train_eval_prompts))]
-            groups = engine.generate(llm, train_eval_prompts, params, progress="evaluation: training problems")
-            texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+            _, texts = sample_for_eval(train_eval_prompts, -4, "training problems")
             scored, _ = judge_texts(texts, [r for r in train_eval_rows for _ in range(args.eval_samples)])
             if master:
                 writer.add_scalar("eval/train_score", float(np.mean([(p or 0) / 7 for p, _ in scored])), step)

@@ -469,15 +469,19 @@ def main(args: Args) -> dict:
 
             wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
 
+    def sample_for_eval(prompts_: list[list[int]], salt: int, label: str):
+        """The evaluation sampler on these prompts, the same seeds at every evaluation: (groups, texts)."""
+        params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
+                                 top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
+                                 seed=request_seed(args.seed, salt, i)) for i in range(len(prompts_))]
+        groups = engine.generate(llm, prompts_, params, progress=f"evaluation: {label}")
+        return groups, [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+
     def evaluate(step: int) -> float:
         """Single problems, ordinary answer format (the policy must still solve one problem at a time);
         optionally packs of several sizes under the training cap."""
         t0 = time.time()
-        params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
-                                 top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
-                                 seed=request_seed(args.seed, -1, i)) for i in range(len(eval_prompts))]
-        groups = engine.generate(llm, eval_prompts, params, progress="evaluation: held-out problems")
-        texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+        groups, texts = sample_for_eval(eval_prompts, -1, "held-out problems")
         golds = [r for r in eval_rows for _ in range(args.eval_samples)]
         if args.eval_dataset == "tiny":
             xs = [tiny_reward(t, r["answer"]) for t, r in zip(texts, golds)]
@@ -488,11 +492,7 @@ def main(args: Args) -> dict:
         logged = {"eval/mean_score": score,
                   "eval/tokens_per_problem": float(np.mean([len(c.token_ids) for g in groups for c in g]))}
         if train_eval_prompts:  # the same single-problem sampling on training problems: the train / held-out gap
-            params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
-                                     top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
-                                     seed=request_seed(args.seed, -4, i)) for i in range(len(train_eval_prompts))]
-            groups = engine.generate(llm, train_eval_prompts, params, progress="evaluation: training problems")
-            texts = [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+            _, texts = sample_for_eval(train_eval_prompts, -4, "training problems")
             golds = [r for r in train_eval_rows for _ in range(args.eval_samples)]
             answers = [extract_final_answer(t) for t in texts]
             logged["eval/train_score"] = float(np.mean(verify([str(r[args.answer_field]) for r in golds], answers,

@@ -410,6 +410,7 @@ def autocast(device):
 # ----------------------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from vllm import SamplingParams
 
     # one process per GPU under torchrun, each holding all of the algorithm's state (common/dist.py)
     rank, world, device = dist.init()
@@ -511,16 +512,17 @@ def main(args: Args) -> dict:
 
             wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
 
-    def evaluate(step: int) -> float:
-        from vllm import SamplingParams
-
-        t0 = time.time()
+    def sample_for_eval(prompts_: list[list[int]], salt: int, label: str):
+        """The evaluation sampler on these prompts, the same seeds at every evaluation: (groups, texts)."""
         params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
                                  top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
-                                 seed=request_seed(args.seed, -1, i))  # same seeds at every evaluation
-                  for i in range(len(eval_prompts))]
-        groups = engine.generate(llm, eval_prompts, params, progress="evaluation: held-out problems")
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+                                 seed=request_seed(args.seed, salt, i)) for i in range(len(prompts_))]
+        groups = engine.generate(llm, prompts_, params, progress=f"evaluation: {label}")
+        return groups, [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+
+    def evaluate(step: int) -> float:
+        t0 = time.time()
+        groups, texts = sample_for_eval(eval_prompts, -1, "held-out problems")
         rows = [r for r in eval_rows for _ in range(args.eval_samples)]
         rewards, valid, points, _ = score_responses(args, texts, rows, verifier=verifier, judge=judge,
                                                     evaluation=True)
@@ -533,11 +535,7 @@ def main(args: Args) -> dict:
             writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])),
                               step)
         if train_eval_prompts:  # the same sampling on training problems: the train / held-out gap
-            params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
-                                     top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
-                                     seed=request_seed(args.seed, -4, i)) for i in range(len(train_eval_prompts))]
-            groups = engine.generate(llm, train_eval_prompts, params, progress="evaluation: training problems")
-            texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+            _, texts = sample_for_eval(train_eval_prompts, -4, "training problems")
             rows = [r for r in train_eval_rows for _ in range(args.eval_samples)]
             train_score = float(np.mean(score_responses(args, texts, rows, verifier=verifier, judge=judge)[0]))
             if master:
@@ -549,7 +547,6 @@ def main(args: Args) -> dict:
     last_eval = evaluate(0) if args.eval_every and start_step == 0 else float("nan")
     if start_step == 0 and master:
         print(f"step 0 | eval {last_eval:.3f}")
-    from vllm import SamplingParams
 
     for step in range(start_step + 1, args.num_steps + 1):
         t_step = time.time()
