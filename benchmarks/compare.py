@@ -90,7 +90,8 @@ def main():
         tokens = [r["charts/generated_tokens"] for r in runs]
         last = max(tokens[0])
         per_step = [(t[last] - t.get(0, 0.0)) / last for t in tokens]  # RPO's step-0 cache fill excluded
-        phases = {p: float(np.mean([np.mean(list(r[f"time/{p}"].values())) for r in runs]))
+        # medians over steps: robust to a machine that was briefly busy with something else
+        phases = {p: float(np.mean([np.median(list(r[f"time/{p}"].values())) for r in runs]))
                   for p in ("generate", "critic", "score", "train", "sync") if f"time/{p}" in runs[0]}
         script = METHODS[m][0]
         summary[m] = {
@@ -103,7 +104,7 @@ def main():
             "generated_tokens_per_step": float(np.mean(per_step)),
             "new_tokens_per_sample": float(np.mean([np.mean(list(r[TOKENS_PER_SAMPLE[script]].values()))
                                                     for r in runs])),
-            "seconds_per_step": float(np.mean([np.mean(list(r["charts/step_time"].values())) for r in runs])),
+            "seconds_per_step": float(np.mean([np.median(list(r["charts/step_time"].values())) for r in runs])),
             "phase_seconds_per_step": phases,
         }
         if m in ("AC2", "Prefix GRPO"):
@@ -148,7 +149,7 @@ def main():
     fmt = lambda x, f="{:.3g}": "-" if x is None else f.format(x)  # noqa: E731
     lines = ["| method | training problems | held-out start -> peak (final) | train score (final) | train - held-out "
              "| generated tokens / step | new tokens / sample | decoding FLOPs to the matched GRPO's peak (ratio) "
-             "| s / step | the paper says |", "|-|-|-|-|-|-|-|-|-|-|"]
+             "| s / step (median) | the paper says |", "|-|-|-|-|-|-|-|-|-|-|"]
     for m, s in summary.items():
         lines.append(f"| {m} | {s['training_problems']:,} | {s['start_score']:.3f} -> {s['peak_score']:.3f} "
                      f"({s['final_score']:.3f}) | {s['final_train_score']:.3f} | {s['final_gap']:+.3f} | "

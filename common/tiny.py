@@ -276,24 +276,26 @@ def tiny_model_path(cache_dir: str | os.PathLike | None = None, recipe: TinyReci
 
     The repository ships it (common/tiny_model/, built from RECIPE): floating-point kernels differ between
     CPUs, so a build is deterministic on one machine but not across machines, and shipping the weights is what
-    makes every tiny-task number reproduce anywhere. A recipe without a shipped build (or `rebuild`) is built
-    from scratch on first use (~20 minutes on 2 cores, with progress) and cached in $TINY_RL_CACHE or
+    makes every tiny-task number reproduce anywhere. A recipe without a shipped build is built from scratch on
+    first use (~20 minutes on 2 cores, with progress) and cached in $TINY_RL_CACHE or
     ~/.cache/tiny-rl; safe against concurrent builders (a file lock) and a kill mid-build (built aside, renamed).
+    `rebuild` builds from scratch even when a shipped or cached build exists (benchmarks/tiny_model.py --rebuild).
     """
     if not rebuild and recipe_hash(recipe) == shipped_recipe_hash():
         return str(SHIPPED)
     root = Path(cache_dir or os.environ.get("TINY_RL_CACHE") or Path.home() / ".cache" / "tiny-rl")
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"tiny-qwen3-{recipe_hash(recipe)}"
-    if (final / "config.json").exists():
+    if (final / "config.json").exists() and not rebuild:
         return str(final)
-    print(f"building the tiny model from its recipe into {final} (once; ~20 minutes on 2 cores)...", flush=True)
+    print(f"building the tiny model from its recipe into {final} (~20 minutes on 2 cores)...", flush=True)
     with open(root / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (final / "config.json").exists():
+        if rebuild or not (final / "config.json").exists():
             tmp = root / f".{final.name}.tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             _build_tiny_model(tmp, recipe)
+            shutil.rmtree(final, ignore_errors=True)  # rebuild: the earlier build goes only once the new one exists
             os.replace(tmp, final)
     return str(final)
 
