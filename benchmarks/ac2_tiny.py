@@ -1,11 +1,11 @@
 """AC2 on the built-in tiny task at the paper's thresholds: when readiness engages, and what it saves.
 
-    python benchmarks/ac2_tiny.py                      # runs `ac2.py --tiny` and `grpo.py --tiny` (seed 1, 100 steps)
+    python benchmarks/ac2_tiny.py      # runs `ac2.py --tiny` and `grpo.py --tiny --train-limit 128` (seed 1, 100 steps)
     python benchmarks/ac2_tiny.py --ac2-run runs/X --grpo-run runs/Y   # summarise finished runs instead
 
 Reads the TensorBoard logs the scripts write (the only logging path) and reports the global gate, the
 ready fraction over time, consumed chunks, and generated tokens and decoding FLOPs per step against
-grpo.py on the same task, before and after readiness. Writes benchmarks/results/ac2_tiny.json.
+grpo.py on the same 128 training problems, before and after readiness. Writes benchmarks/results/ac2_tiny.json.
 """
 
 import argparse
@@ -21,10 +21,10 @@ from tblog import read_scalars  # benchmarks/ is on sys.path when these run as s
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(script: str, steps: int, seed: int) -> Path:
+def run(script: str, steps: int, seed: int, *extra: str) -> Path:
     name = f"bench_{script[:-3]}_tiny_s{seed}_n{steps}_{int(time.time())}"
     subprocess.run([sys.executable, str(ROOT / script), "--tiny", "--num-steps", str(steps), "--seed", str(seed),
-                    "--run-name", name], cwd=ROOT, check=True)
+                    "--run-name", name, *extra], cwd=ROOT, check=True)
     return ROOT / "runs" / name
 
 
@@ -45,7 +45,8 @@ def main():
     ap.add_argument("--grpo-run", help="summarise this finished grpo.py --tiny run instead of running one")
     a = ap.parse_args()
     ac2 = read_scalars(Path(a.ac2_run) if a.ac2_run else run("ac2.py", a.steps, a.seed))
-    grpo = read_scalars(Path(a.grpo_run) if a.grpo_run else run("grpo.py", a.steps, a.seed))
+    # GRPO on AC2's 128 training problems (ac2.tiny_args().train_limit): the matched baseline
+    grpo = read_scalars(Path(a.grpo_run) if a.grpo_run else run("grpo.py", a.steps, a.seed, "--train-limit", "128"))
     last = max(ac2["charts/decoding_flops"])
     gate = ac2["ac2/gate_open"]
     ready = ac2["ac2/ready_frac"]

@@ -72,6 +72,10 @@ def main():
     ap.add_argument("--fresh", action="store_true", help="re-run even if a finished run exists")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare"))
     a = ap.parse_args()
+    try:  # before hours of runs, not after
+        import matplotlib
+    except ImportError:
+        sys.exit("compare.py draws its plots with matplotlib: pip install -e '.[plot]'")
     t_start = time.time()
     methods = list(dict.fromkeys(a.methods + [METHODS[m][3] for m in a.methods]))  # with their matched GRPO
     done = {(m, s): run(m, s, a.steps, a.fresh) for s in a.seeds for m in methods}  # seed by seed
@@ -123,8 +127,6 @@ def main():
             base["flops_mean"][bhit] / s["flops_to_matched_peak"]
 
     # plots: held-out score against decoding FLOPs (AC2 Figure 1's axis) and against steps, band = min..max
-    import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
