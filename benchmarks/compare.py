@@ -1,6 +1,6 @@
 """GRPO, AC2, Prefix GRPO, RPO and CCR side by side on the tiny task, each beside GRPO on its own training problems.
 
-    python benchmarks/compare.py                       # 7 runs x 2 seeds x 100 steps (the run time: README)
+    python benchmarks/compare.py                       # 7 runs x 2 seeds x 100 steps (the run time: docs/results.md)
     python benchmarks/compare.py --steps 20 --seeds 1  # a quick look
 
 Every method runs its script's own `--tiny` configuration; they do not all train on the same problems (AC2 and
