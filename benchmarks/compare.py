@@ -137,12 +137,6 @@ def main():
         s["matched_flops_to_same_score"] = flops_to_reach(base["score_mean"], base["flops_mean"], s["peak_score"])
         s["flops_ratio_at_own_peak"] = None if s["matched_flops_to_same_score"] is None else \
             s["matched_flops_to_same_score"] / s["flops_to_own_peak"]
-        # and to the matched GRPO's peak
-        hit = next((i for i, v in enumerate(s["score_mean"]) if v >= base["peak_score"] - 1e-9), None)
-        s["flops_to_matched_peak"] = None if hit is None else s["flops_mean"][hit]
-        bhit = next(i for i, v in enumerate(base["score_mean"]) if v >= base["peak_score"] - 1e-9)
-        s["flops_ratio_vs_matched"] = None if s["flops_to_matched_peak"] is None else \
-            base["flops_mean"][bhit] / s["flops_to_matched_peak"]
 
     # plots: held-out score against decoding FLOPs (AC2 Figure 1's axis) and against steps, band = min..max
     matplotlib.use("Agg")

@@ -9,6 +9,7 @@ benchmarks/results/grpo_tiny.json plus a markdown summary on stdout.
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -54,7 +55,7 @@ def main():
         "train_seconds_to_plus_15_points": None if seconds_to_plus15 is None else round(seconds_to_plus15, 1),
         "phase_seconds": {k: round(v, 1) for k, v in phase.items()},
         "seconds_per_step": round(sum(step_times.values()) / len(step_times), 2),
-        "median_seconds_per_step": round(float(sorted(step_times.values())[len(step_times) // 2]), 2),
+        "median_seconds_per_step": round(statistics.median(step_times.values()), 2),
         "generated_tokens": int(tokens),
         "decode_tokens_per_second": round(tokens / phase["generate"], 1),
         "decoding_flops": s["charts/decoding_flops"][max(s["charts/decoding_flops"])],

@@ -2,9 +2,10 @@
 
 With the paper's thresholds (tau_global 0.20, tau_local 0.18) readiness engages on the tiny task only after
 30-50 steps (`python benchmarks/ac2_tiny.py`: the gate opens at step 51 with seed 1, 124 of 128 problems are
-ready by step 100; step 32 with seed 2), 4-7 minutes -- too long for the suite. So that the ready path -- routing to chunks and audits,
-consumed critic values, the drop in decoding FLOPs -- is exercised end to end with the real engine here, this
-run loosens both thresholds to 0.5 through their flags; everything else is the --tiny preset.
+ready by step 100; step 32 with seed 2), 4-7 minutes -- too long for the suite. So that the ready path --
+routing to chunks and audits, consumed critic values, the drop in decoding FLOPs -- is exercised end to end with
+the real engine here, this run loosens both thresholds to 0.5 through their flags; everything else is the --tiny
+preset.
 """
 
 import math
