@@ -1,4 +1,4 @@
-"""AC2: Actor-Critic with Action Chunking (Wen, Bailey, Mahankali, Ma; arXiv 2609.39247; spec/ac2.md).
+"""AC2: Actor-Critic with Action Chunking (Wen, Bailey, Mahankali, Ma; arXiv 2609.39247; docs/ac2.md).
 
 The policy and the value function share weights; the critic is the policy itself, asked through a prompt
 for a number on the grid {0, 0.1, ..., 1}. Each step replays prefixes s of past trajectories and samples a
@@ -8,7 +8,7 @@ they run to the end and the judge scores them. Either way A_i = v_i - mean_j v_j
 problems, lambda = 1 on unready ones, Section 3.2), and the critic learns to predict, at s, the group mean.
 No terminal reward is needed on ready problems: that is where the decoding savings come from.
 
-One step, in code order (spec/ac2.md "One step"): 1 batch (refills + replay slots, prefix cuts, cold
+One step, in code order (docs/ac2.md, "One step"): 1 batch (refills + replay slots, prefix cuts, cold
 start) -> 2 route (full / short / audit) -> 3 generate -> 4 critic wave (probes + consumed chunks) ->
 5 judge -> 6 invalid critic values -> 7 buffer update -> 8 readiness, reference bank, critic records ->
 9 advantages -> 10 actor minibatch 1, critic step, actor minibatch 2 -> 11 sync, log, checkpoint.
@@ -27,6 +27,7 @@ import random
 import re
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -37,12 +38,12 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
-from common import dist, engine
+from common import engine, parallel
 from common.data import load_rows
-from common.judges import Judge, JudgeConfig, extract_final_answer, extract_proof
+from common.judges import extract_final_answer, extract_proof, start_judge, watch_judge
 from common.tiny import TINY_CRITIC_INSTRUCTION, TINY_CRITIC_REFERENCE, resolve_model, tiny_reward
 
-ACTOR_PROMPT = (  # Appendix C (spec/ac2.md "Actor prompt")
+ACTOR_PROMPT = (  # Appendix C
     "Consider the following mathematical problem:\n{problem}\n\nSolve the problem. Write a complete "
     "solution/proof.\n\n- Enclose any brief thinking in <think></think> tags, then finish your thinking with "
     "</think>.\n\nThen write your final solution/proof inside <proof></proof> tags:\n<proof>\n...your "
@@ -288,17 +289,20 @@ def tiny_args() -> Args:
     )
 
 
-# ----------------------------------------------------------------------------------------------------
-# The rules, as small pure functions (tests pin each to hand-computed values)
-# ----------------------------------------------------------------------------------------------------
+# ====================================================================================================
+# ALGO LOGIC: AC2's rules, as small functions (tests pin each to hand-computed values)
+# ====================================================================================================
+CHUNK_LANES = ("short", "single")  # rows that stop after b new tokens for the critic to score
+
+
 def round_to_grid(x: float) -> float:
     """Nearest of {0, 0.1, ..., 1}, ties rounded down (Appendix C "Critic targets")."""
     return min(max(math.floor(x * 10 + 0.5 - 1e-9), 0), 10) / 10
 
 
 def parse_critic_value(text: str) -> float | None:
-    """The critic's number, or None if invalid (spec/ac2.md "Parsing"). Keeps the regex's quirks: "1.5"
-    reads as 1 (the pattern stops after "1"), "0.75" is invalid (not within 1e-6 of a grid point)."""
+    """The critic's number, or None if invalid (docs/ac2.md, "The critic prompt"). Keeps the released regex's
+    quirks: "1.5" reads as 1 (the pattern stops after "1"), "0.75" is invalid (not within 1e-6 of a grid point)."""
     m = re.match(r"^\s*(1(?:\.0+)?|0(?:\.\d+)?|\.\d+)", text)
     if not m:
         return None
@@ -324,7 +328,7 @@ class Probe:
 
 
 class ReadinessTracker:
-    """Local readiness (Section 3.1, Appendix C; `sp_q_readiness.py`).
+    """Local readiness (Section 3.1, Appendix C; the released `sp_q_readiness.py`).
 
     Global gate: open iff the last `window` steps are all recorded (a step without errors still takes a
     slot) and the mean of all their pooled per-prefix errors is < tau_global. A problem becomes ready, only
@@ -371,13 +375,121 @@ class ReadinessTracker:
         self.ready |= newly
         return newly
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         return {"errors": list(self.errors), "ready": sorted(self.ready), "nonzero": sorted(self.nonzero),
                 "all_ready": self.all_ready}
 
-    def load(self, s: dict) -> None:
+    def load_state_dict(self, s: dict) -> None:
         self.errors.extend(s["errors"])
         self.ready, self.nonzero, self.all_ready = set(s["ready"]), set(s["nonzero"]), s["all_ready"]
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """A replay buffer entry: one fresh full rollout."""
+
+    problem: int
+    tokens: list[int]
+    proof: str | None  # its own proof if it passed (>= pass_points): the reference for prefixes cut from it
+
+
+class ReplayBuffer:
+    """The FIFO of fresh rollouts that replay slots are cut from (256 trajectories; Table 4)."""
+
+    def __init__(self, capacity: int):
+        self.trajectories: collections.deque[Trajectory] = collections.deque(maxlen=capacity)
+
+    def state_dict(self) -> list[dict]:
+        return [dataclasses.asdict(t) for t in self.trajectories]
+
+    def load_state_dict(self, s: list[dict]) -> None:
+        self.trajectories.extend(Trajectory(**t) for t in s)
+
+
+class ReferenceBank:
+    """One reference proof per problem, add-once, never replaced (Section 3.1)."""
+
+    def __init__(self):
+        self.proofs: dict[int, str] = {}
+
+    def state_dict(self) -> dict[int, str]:
+        return self.proofs
+
+    def load_state_dict(self, s: dict[int, str]) -> None:
+        self.proofs = s
+
+
+@dataclasses.dataclass
+class CriticRecord:
+    """A critic training target: the group mean z at prefix s of a problem, and the source's own reference."""
+
+    problem: int
+    prefix: list[int]
+    target: float
+    reference: str | None
+
+
+class CriticFifo:
+    """The critic's FIFO of prefix-target records (1,920; Appendix C)."""
+
+    def __init__(self, capacity: int):
+        self.records: collections.deque[CriticRecord] = collections.deque(maxlen=capacity)
+
+    def state_dict(self) -> list[dict]:
+        return [dataclasses.asdict(r) for r in self.records]
+
+    def load_state_dict(self, s: list[dict]) -> None:
+        self.records.extend(CriticRecord(**r) for r in s)
+
+
+@dataclasses.dataclass
+class CriticLR:
+    """The critic's learning-rate ladder (Appendix C): its current rate and the streak of steps with rho > rho_max."""
+
+    lr: float
+    streak: int = 0
+
+    def update(self, rho: float | None, args: Args) -> None:
+        self.lr, self.streak = critic_ladder(self.lr, self.streak, rho, args)
+
+    def state_dict(self) -> dict:
+        return {"critic_lr": self.lr, "ladder_streak": self.streak}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.lr, self.streak = s["critic_lr"], s["ladder_streak"]
+
+
+@dataclasses.dataclass
+class Group:
+    """The continuations of one prompt + prefix, and everything a step learns about them, row by row."""
+
+    problem: int
+    prefix: list[int]
+    lane: str  # refill | cold | full | short | audit | single (group-size-one chunk)
+    source: Trajectory | None = None
+    max_tokens: int = 0
+    samples: list[Sample] = dataclasses.field(default_factory=list)
+    texts: list[str] = dataclasses.field(default_factory=list)  # prefix + continuation, decoded
+    reference: str | None = None  # what the critic sees
+    consumed: list[bool] = dataclasses.field(default_factory=list)  # scored by the critic, not the judge
+    critic: list[float | None] = dataclasses.field(default_factory=list)  # consumed rows' values (None: invalid)
+    verdicts: list[tuple[int | None, bool] | None] = dataclasses.field(default_factory=list)  # judged rows
+    values: list[float] = dataclasses.field(default_factory=list)  # v_i
+    valid: list[bool] = dataclasses.field(default_factory=list)  # valid for critic targets
+    points: list[int | None] = dataclasses.field(default_factory=list)  # judge points (None: consumed or invalid)
+    weights: list[float] = dataclasses.field(default_factory=list)  # actor-loss weight per row
+    probe: float | None = None  # V(s), with the reference
+    probe_overflow: bool = False
+    probe_without_reference: tuple[float | None, bool] | None = None  # (V(s), overflow); None: not asked
+
+
+@dataclasses.dataclass
+class CriticQuery:
+    """One critic call of the wave: a probe V(s) of a group (sample None) or the value of one consumed chunk."""
+
+    group: Group
+    sample: int | None
+    with_reference: bool
 
 
 def audit_fraction(args: Args) -> float:
@@ -394,7 +506,7 @@ def buffer_capacity(args: Args) -> int:
 
 
 def draw_fresh(n_rows: int, n: int, rng: np.random.Generator) -> list[int]:
-    """n fresh problems, without replacement within the step (spec/ac2.md step 1); a request for more than the
+    """n fresh problems, without replacement within the step (docs/ac2.md, step 1); a request for more than the
     data set holds (a stale-buffer refresh on a small set) takes further passes, each a new permutation."""
     out: list[int] = []
     while len(out) < n:
@@ -410,7 +522,7 @@ def route_slots(ready: list[bool], audit_frac: float, rng: np.random.Generator) 
     return ["audit" if i in audit else "short" if r else "full" for i, r in enumerate(ready)]
 
 
-def fill_slots(buffer: list, n_batch: int, rng: np.random.Generator) -> list:
+def fill_slots(buffer: list[Trajectory], n_batch: int, rng: np.random.Generator) -> list[Trajectory]:
     """Question-uniform replay: permute the buffer's distinct problems (sorted first), fill slot i with problem
     perm[i % n_problems] (wrap-around), and take one of that problem's stored trajectories uniformly."""
     problems = sorted({t.problem for t in buffer})
@@ -431,10 +543,62 @@ def draw_cut(length: int, grid: int, max_frac: float, rng: np.random.Generator) 
     return min(cut, length - 1)
 
 
+def single_prefixes(t: Trajectory, args: Args, rng: np.random.Generator) -> list[list[int]]:
+    """The group-size-one variant's prefixes (Section 4.3): g cuts on the single-cut grid, distinct where the
+    trajectory is long enough, one chunk each."""
+    grid = list(range(0, int(args.cut_max_frac * len(t.tokens)) + 1, args.single_cut_grid))
+    cuts = rng.choice(grid, size=args.group_size, replace=len(grid) < args.group_size)
+    return [t.tokens[: min(int(c), len(t.tokens) - 1)] for c in cuts]
+
+
+def new_token_budget(lane: str, prefix_len: int, args: Args) -> int:
+    """max_tokens of a row (Section 3.2): the budget counts prefix + new tokens, and a chunk stops after b."""
+    remaining = args.budget - prefix_len
+    return min(args.chunk_tokens, remaining) if lane in CHUNK_LANES else remaining
+
+
+def critic_reference(g: Group, bank: ReferenceBank) -> str | None:
+    """The reference the critic sees: the source trajectory's own proof if it passed, else the bank's, else none."""
+    return g.source.proof if g.source and g.source.proof else bank.proofs.get(g.problem)
+
+
+def find_proof(text: str, tiny: bool) -> str | None:
+    """The proof a judge grades (after the last `</think>`, the first <proof> block); on the tiny task the whole
+    trace, once its answer is boxed after `</think>`."""
+    if tiny:
+        return text.strip() if extract_final_answer(text) is not None else None
+    return extract_proof(text)
+
+
 def is_consumed(n_new: int, max_tokens: int, chunk: int, remaining: int, has_finished_answer: bool) -> bool:
     """A short row is scored by the critic only if it hit its chunk cap, the cap was below the remaining
-    budget (else the end of the budget goes to the judge), and it holds no finished proof (spec/ac2.md step 4)."""
+    budget (else the end of the budget goes to the judge), and it holds no finished proof (docs/ac2.md, step 4)."""
     return max_tokens == chunk and n_new == chunk and chunk < remaining and not has_finished_answer
+
+
+def consumed_rows(g: Group, args: Args) -> list[bool]:
+    """Step 4: which of a group's rows the critic scores (chunks only; `is_consumed`)."""
+    return [g.lane in CHUNK_LANES and is_consumed(len(s.completion.token_ids), g.max_tokens, args.chunk_tokens,
+                                                  args.budget - len(g.prefix),
+                                                  find_proof(text, args.dataset == "tiny") is not None)
+            for s, text in zip(g.samples, g.texts)]
+
+
+def critic_queries(groups: list[Group], args: Args) -> list[CriticQuery]:
+    """Step 4's critic calls, in order: for each replay group (not refills, not cold starts) a probe V(s) with its
+    reference, the same probe without it (a diagnostic, when there is a reference), and a value for each consumed
+    chunk. Prefix GRPO asks the critic nothing."""
+    if args.prefix_grpo:
+        return []
+    out = []
+    for g in groups:
+        if g.lane in ("refill", "cold"):
+            continue
+        out.append(CriticQuery(g, None, True))
+        if args.probe_without_reference and g.reference is not None:
+            out.append(CriticQuery(g, None, False))
+        out += [CriticQuery(g, i, True) for i, used in enumerate(g.consumed) if used]
+    return out
 
 
 def replace_invalid_values(values: list[float | None], valid: list[bool]) -> tuple[list[float], list[float]]:
@@ -447,6 +611,69 @@ def replace_invalid_values(values: list[float | None], valid: list[bool]) -> tup
     good = [v for v, ok in zip(values, valid) if ok and v is not None]
     fill = float(np.mean(good)) if good else 0.0
     return [fill if v is None else v for v in values], [0.0 if v is None else 1.0 for v in values]
+
+
+def endpoint_values(g: Group) -> None:
+    """Step 6: v_i of every row -- the critic's value of a consumed chunk, else the judge's points / 7 (an invalid
+    verdict: 0, kept in the update, not a valid target) -- with invalid critic values replaced
+    (`replace_invalid_values`); a group-size-one row without a baseline V(s) carries no loss and no target."""
+    raw, g.valid, g.points = [], [], []
+    for i in range(len(g.samples)):
+        if g.consumed[i]:
+            raw.append(g.critic[i])
+            g.valid.append(raw[-1] is not None)
+            g.points.append(None)
+        else:
+            points, ok = g.verdicts[i]
+            raw.append((points or 0) / 7 if ok else 0.0)
+            g.valid.append(ok)
+            g.points.append(points if ok else None)
+    g.values, g.weights = replace_invalid_values(raw, g.valid)
+    if g.lane == "single" and (g.probe is None or g.probe_overflow):
+        g.weights = [0.0] * len(raw)
+
+
+def admit_to_buffer(buffer: ReplayBuffer, groups: list[Group], refresh: bool, args: Args) -> None:
+    """Step 7: every refill rollout with a non-empty response enters the FIFO, passed or not (the correct-only
+    variant: passes only), with its own proof if it passed; a stale-buffer refresh replaces the whole buffer."""
+    if args.stale_every and refresh:
+        buffer.trajectories.clear()
+    for g in groups:
+        if g.lane == "refill" and g.samples[0].completion.token_ids:
+            passed = (g.points[0] or 0) >= args.pass_points
+            if args.buffer_admit == "all" or passed:
+                proof = find_proof(g.texts[0], args.dataset == "tiny") if passed else None
+                buffer.trajectories.append(Trajectory(g.problem, list(g.samples[0].completion.token_ids), proof))
+
+
+def probe_target(g: Group, args: Args) -> float | None:
+    """z: the mean of the group's valid values rounded to the grid, ties down; None (no observation) with fewer
+    than min_valid valid values -- one for a group-size-one row, which also needs its own probe V(s)."""
+    valid_values = [v for v, ok in zip(g.values, g.valid) if ok]
+    enough = len(valid_values) >= (1 if g.lane == "single" else args.min_valid)
+    if g.lane == "single" and (g.probe is None or g.probe_overflow):
+        enough = False
+    return round_to_grid(float(np.mean(valid_values))) if enough else None
+
+
+def update_bank(bank: ReferenceBank, groups: list[Group], args: Args, rng: np.random.Generator) -> None:
+    """Step 8, after the readiness transitions: a problem without a reference takes one of this step's passing
+    rollouts (>= pass_points, with a proof; any lane, refills included) at random. Add-once, never replaced."""
+    candidates = collections.defaultdict(list)
+    for g in groups:
+        for i, pts in enumerate(g.points):
+            passed = pts is not None and pts >= args.pass_points
+            if passed and (proof := find_proof(g.texts[i], args.dataset == "tiny")):
+                candidates[g.problem].append(proof)
+    for problem in sorted(candidates):
+        if problem not in bank.proofs:
+            bank.proofs[problem] = candidates[problem][int(rng.integers(len(candidates[problem])))]
+
+
+def group_advantages(g: Group) -> list[float]:
+    """Step 9 (Eqs. 3-4): A_i = v_i - mean_j v_j over the group, no std; group-size-one: A = v - V(s)."""
+    base = g.probe if g.lane == "single" else float(np.mean(g.values))
+    return [v - (base or 0.0) for v in g.values]
 
 
 def ladder_ratio(d_critic: float | None, d_actor: list[float]) -> float | None:
@@ -469,7 +696,8 @@ def critic_ladder(lr: float, streak: int, rho: float | None, args: Args) -> tupl
     return lr, streak
 
 
-def select_critic_rows(records: list[dict], order: list[int], bank: dict, sample: int, fits) -> tuple[list, int]:
+def select_critic_rows(records: list[CriticRecord], order: list[int], bank: dict[int, str], sample: int,
+                       fits) -> tuple[list, int]:
     """Critic training rows of one step (Appendix C "Critic targets"): records taken in `order` (a random
     permutation of the FIFO) until `sample` are used, skipping those whose context does not `fits`.
     A record with a reference -- its source trajectory's own, else the bank's *current* one -- gives two rows,
@@ -481,26 +709,12 @@ def select_critic_rows(records: list[dict], order: list[int], bank: dict, sample
         if used == sample:
             break
         rec = records[idx]
-        ref = rec["reference"] or bank.get(rec["problem"])
+        ref = rec.reference or bank.get(rec.problem)
         variants = [(ref, 0.5), (None, 0.5)] if ref else [(None, 1.0)]
         if all(fits(rec, r) for r, _ in variants):
             rows += [(rec, r, w) for r, w in variants]
             used += 1
     return rows, used
-
-
-def judge_failure_streak(calls: list[tuple[str | None, str | None]], streak: int) -> tuple[int, str | None]:
-    """A step in which more than half of the judge calls failed extends the streak and explains itself (the
-    causes, most frequent first, with one server message each); any other step ends the streak. Failed calls
-    are invalid zeros, kept in the PPO update (step 5), so a dead judge would train the policy on noise: the
-    caller stops the run when the streak gets long."""
-    failed = [(e, d) for e, d in calls if e is not None]
-    if not calls or 2 * len(failed) <= len(calls):
-        return 0, None
-    causes = collections.Counter(e for e, _ in failed)
-    detail = dict(reversed(failed))  # the first message of each cause
-    listed = "; ".join(f"{e} x{k}" + (f" ({detail[e]})" if detail[e] else "") for e, k in causes.most_common())
-    return streak + 1, f"{len(failed)} of {len(calls)} judge calls failed: {listed}"
 
 
 def update_entropy_offset(k: float, mean_entropy: float, args: Args) -> float:
@@ -509,8 +723,29 @@ def update_entropy_offset(k: float, mean_entropy: float, args: Args) -> float:
     return float(np.clip(k + step, -args.entropy_k_bound, args.entropy_k_bound))
 
 
+def ppo_loss(logp, old_logp, adv, clip_low: float, clip_high: float, dual_clip: float):
+    """Per-token dual-clip PPO loss (Appendix C), plus which clip was active.
+
+    ratio = exp(clamp(logp - old_logp, -20, 20)); L = max(-A*ratio, -A*clip(ratio, 1-eps_low, 1+eps_high));
+    for A < 0 the loss is further capped at -A*c (dual clip, c > 0; 0 turns it off), so a huge ratio cannot blow
+    up a negative update.
+    """
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
+    unclipped, clipped = -adv * ratio, -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual_active = (adv < 0) & (loss > -adv * dual_clip) if dual_clip > 0 else torch.zeros_like(adv, dtype=torch.bool)
+    loss = torch.where(dual_active, -adv * dual_clip, loss)
+    stats = {
+        "clip_low": (adv < 0) & (ratio < 1 - clip_low),
+        "clip_high": (adv > 0) & (ratio > 1 + clip_high),
+        "clip_dual": dual_active,
+        "approx_kl": (ratio - 1) - torch.log(ratio),  # k3 estimate of KL(old || new)
+    }
+    return loss, stats
+
+
 # ----------------------------------------------------------------------------------------------------
-# Critic prompting (token level; `build_q_context_ids`)
+# The critic prompt (token level; the released `build_q_context_ids`)
 # ----------------------------------------------------------------------------------------------------
 def critic_context(prompt_ids: list[int], attempt_ids: list[int], reference: str | None, tok, args: Args) -> list[int]:
     """Problem prompt + attempt + `</think>` (only if the attempt has none) + the instruction as a new user
@@ -542,26 +777,408 @@ def query_critic(llm, contexts: list[list[int]], tok, max_len: int) -> list[tupl
     return out
 
 
-# ----------------------------------------------------------------------------------------------------
-# Shared machinery, as in grpo.py (repeated on purpose: each script reads on its own)
-# ----------------------------------------------------------------------------------------------------
+def critic_record_fits(rec: CriticRecord, reference: str | None, train: Problems, tok, args: Args,
+                       max_len: int) -> bool:
+    """A critic row must fit the engine's context (else it is skipped, like an overflowing probe)."""
+    context = critic_context(train.prompts[rec.problem], rec.prefix, reference, tok, args)
+    return len(context) + len(critic_target(rec.target, tok)) <= max_len
+
+
+def critic_rows(fifo: CriticFifo, bank: ReferenceBank, train: Problems, tok, args: Args, rng: np.random.Generator,
+                max_len: int) -> tuple[list[TrainRow], int]:
+    """Step 10's critic batch: `select_critic_rows` over a random permutation of the FIFO; each row is the critic
+    context, then the target value's tokens and end-of-turn, which carry the loss. Returns (rows, records used)."""
+    records = list(fifo.records)
+    chosen, n_records = select_critic_rows(records, rng.permutation(len(records)).tolist(), bank.proofs,
+                                           args.critic_sample, partial(critic_record_fits, train=train, tok=tok,
+                                                                       args=args, max_len=max_len))
+    rows = []
+    for rec, ref, w in chosen:
+        context, target = critic_context(train.prompts[rec.problem], rec.prefix, ref, tok, args), critic_target(
+            rec.target, tok)
+        rows.append(TrainRow(context + target, len(context), len(target), weight=w))
+    return rows, n_records
+
+
+def grade(texts: list[str], problems: list[dict], args: Args, judge, validation: bool = False):
+    """([(points or None, valid)] per text, [(error, detail)] per judge call). No proof: 0 points, no call, valid
+    (docs/ac2.md, step 5). Training uses the 7/6/1/0 grader, validation the 0-7 one with references; on the tiny
+    task the verifier stands in for the judge (7 points for the right answer)."""
+    tiny = args.dataset == "tiny"
+    if tiny and (not validation or args.eval_dataset == "tiny"):
+        return [(7 * int(tiny_reward(t, r["answer"])), True) for t, r in zip(texts, problems)], []
+    proofs = [find_proof(t, tiny) for t in texts]
+    todo = [i for i, p in enumerate(proofs) if p is not None]
+    res = judge.grade([problems[i][args.problem_field] for i in todo], [proofs[i] for i in todo],
+                      [problems[i].get(args.eval_solution_field) for i in todo] if validation else None,
+                      [problems[i].get(args.eval_guidelines_field) for i in todo] if validation else None,
+                      validation=validation)
+    out = [(0, True)] * len(texts)
+    for i, r in zip(todo, res):
+        out[i] = (r.points, r.valid)
+    return out, [(r.error, r.detail) for r in res]
+
+
+def eval_scores(texts: list[str], problems: list[dict], held_out: bool, args: Args, judge):
+    """Evaluation's scores (points / 7) and, held out, the pass rate (>= pass_points)."""
+    scored, _ = grade(texts, problems, args, judge, validation=held_out)
+    extra = {"eval/pass_rate": float(np.mean([(p or 0) >= args.pass_points for p, _ in scored]))} if held_out else {}
+    return [(p or 0) / 7 for p, _ in scored], extra
+
+
+# ====================================================================================================
+# ALGO LOGIC: the stages of AC2's step, in the paper's order (docs/ac2.md, "One step")
+# ====================================================================================================
+def make_groups(buffer: ReplayBuffer, tracker: ReadinessTracker, n_problems: int, step: int, args: Args,
+                rng: np.random.Generator) -> tuple[list[Group], bool, dict]:
+    """Steps 1-2: fresh refill problems (one full rollout each), then the replay slots -- cut from the buffer's
+    trajectories and routed by readiness (unready: full; ready: a chunk, or an audit) -- or, while the buffer is
+    empty, a cold start of fresh problems with empty prefixes trained like GRPO. Each row's new-token budget.
+    Returns the groups, whether a stale buffer is refreshed this step, and the share of ready replay slots."""
+    refresh = args.stale_every == 0 or (step - 1) % args.stale_every == 0
+    n_fresh = (args.n_refill if args.stale_every == 0 else args.stale_size) if refresh else 0
+    cold = not buffer.trajectories
+    fresh = draw_fresh(n_problems, n_fresh + (args.n_batch if cold else 0), rng)
+    groups = [Group(p, [], "refill") for p in fresh[:n_fresh]]
+    logged = {}
+    if cold:
+        groups += [Group(p, [], "cold") for p in fresh[n_fresh:]]
+    else:
+        sources = fill_slots(list(buffer.trajectories), args.n_batch, rng)
+        ready = [not args.prefix_grpo and tracker.is_ready(t.problem) for t in sources]
+        logged["ac2/ready_frac"] = float(np.mean(ready))
+        for t, lane in zip(sources, route_slots(ready, audit_fraction(args), rng)):
+            if lane == "short" and args.group_size_one:
+                groups += [Group(t.problem, prefix, "single", t) for prefix in single_prefixes(t, args, rng)]
+            else:
+                cut = draw_cut(len(t.tokens), args.cut_grid, args.cut_max_frac, rng)
+                groups.append(Group(t.problem, t.tokens[:cut], lane, t))
+    for g in groups:
+        g.max_tokens = new_token_budget(g.lane, len(g.prefix), args)
+    return groups, refresh, logged
+
+
+def generate(llm, tok, train: Problems, groups: list[Group], step: int, args: Args) -> None:
+    """Step 3: one request per group, the prefix after the templated prompt: g continuations (one for a refill
+    and for a group-size-one chunk); the prefix gets no loss."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(n=1 if g.lane in ("refill", "single") else args.group_size, temperature=args.temperature,
+                             top_p=args.top_p, top_k=args.top_k, max_tokens=max(g.max_tokens, 1), logprobs=0,
+                             seed=request_seed(args.seed, step, i)) for i, g in enumerate(groups)]
+    contexts = [train.prompts[g.problem] + g.prefix for g in groups]
+    for g, context, completions in zip(groups, contexts, engine.generate(llm, contexts, params)):
+        g.samples = [Sample(g.problem, context, c) for c in completions]
+        g.texts = [tok.decode(g.prefix + c.token_ids, skip_special_tokens=True) for c in completions]
+
+
+def critic_wave(llm, tok, train: Problems, groups: list[Group], bank: ReferenceBank, args: Args, max_len: int):
+    """Step 4, with the rollouts' own weights: each group's reference and consumed rows, then every critic call of
+    `critic_queries` in one batch; an overflowing context is an invalid value (a probe: no observation)."""
+    for g in groups:
+        g.reference = critic_reference(g, bank)
+        g.consumed = consumed_rows(g, args)
+        g.critic = [None] * len(g.samples)
+    queries = critic_queries(groups, args)
+    contexts = [critic_context(train.prompts[q.group.problem], q.group.prefix + (
+        q.group.samples[q.sample].completion.token_ids if q.sample is not None else []),
+        q.group.reference if q.with_reference else None, tok, args) for q in queries]
+    for q, (value, overflow) in zip(queries, query_critic(llm, contexts, tok, max_len)):
+        if q.sample is None and q.with_reference:
+            q.group.probe, q.group.probe_overflow = value, overflow
+        elif q.sample is None:
+            q.group.probe_without_reference = (value, overflow)
+        else:
+            q.group.critic[q.sample] = None if overflow else value
+
+
+def judge_groups(groups: list[Group], train: Problems, args: Args, judge) -> list:
+    """Step 5: every row the critic does not score goes to the judge (points / 7); returns the judge's calls."""
+    todo = [(g, i) for g in groups for i in range(len(g.samples)) if not g.consumed[i]]
+    verdicts, calls = grade([g.texts[i] for g, i in todo], [train.rows[g.problem] for g, _ in todo], args, judge)
+    for g in groups:
+        g.verdicts = [None] * len(g.samples)
+    for (g, i), verdict in zip(todo, verdicts):
+        g.verdicts[i] = verdict
+    return calls
+
+
+def critic_bookkeeping(groups: list[Group], tracker: ReadinessTracker, bank: ReferenceBank, fifo: CriticFifo,
+                       args: Args, rng: np.random.Generator) -> tuple[list[Probe], set[int], dict]:
+    """Step 8: each replay group's probe observation and critic record (`probe_target`); the readiness transitions,
+    with the bank as it was before this step; then the bank's additions (`update_bank`) and the records into the
+    critic FIFO. Returns the probes, the problems that became ready and the critic's diagnostics."""
+    probes, records, audit_err, mae_ref, mae_noref = [], [], [], [], []
+    for g in groups:
+        if g.lane in ("refill", "cold") or args.prefix_grpo:
+            continue
+        z = probe_target(g, args)
+        probes.append(Probe(g.problem, g.probe, z, g.probe_overflow))
+        if z is not None:
+            records.append(CriticRecord(g.problem, list(g.prefix), z, g.source.proof if g.source else None))
+            if g.probe is not None and g.reference is not None and g.probe_without_reference is not None:
+                noref = g.probe_without_reference[0]
+                mae_ref.append(abs(g.probe - z))
+                mae_noref.append(1.0 if noref is None else abs(noref - z))
+        if g.lane == "audit" and g.probe is not None:
+            valid_values = [v for v, ok in zip(g.values, g.valid) if ok]
+            audit_err.append(abs(g.probe - float(np.mean(valid_values or [0.0]))))
+    newly_ready = tracker.update(probes, bank_before=set(bank.proofs))
+    update_bank(bank, groups, args, rng)
+    fifo.records.extend(records)
+    return probes, newly_ready, {"ac2/audit_critic_error": float(np.mean(audit_err or [np.nan])),
+                                 "ac2/critic_mae_with_ref": float(np.mean(mae_ref or [np.nan])),
+                                 "ac2/critic_mae_without_ref": float(np.mean(mae_noref or [np.nan]))}
+
+
+def actor_rows(groups: list[Group]) -> list[TrainRow]:
+    """Step 9: the rows the actor trains -- every row of a replay or cold-start group with new tokens, its
+    advantage broadcast over them; refill rows are not trained."""
+    rows = []
+    for g in groups:
+        if g.lane == "refill":
+            continue
+        for s, advantage, weight in zip(g.samples, group_advantages(g), g.weights):
+            if s.completion.token_ids:
+                rows.append(TrainRow(s.context + s.completion.token_ids, len(s.context), len(s.completion.token_ids),
+                                     advantage, weight, s.completion.logprobs, len(g.prefix)))
+    return rows
+
+
+def refill_rows(groups: list[Group]) -> list[TrainRow]:
+    """The refills' rollouts, scored by the trainer for Eq. 9's entropy only."""
+    return [TrainRow(s.context + s.completion.token_ids, len(s.context), len(s.completion.token_ids), weight=0.0,
+                     sampled=s.completion.logprobs) for g in groups if g.lane == "refill"
+            for s in g.samples[:1] if s.completion.token_ids]
+
+
+def empty_prefix_entropy(rows: list[TrainRow], args: Args) -> float:
+    """Eq. 9's H-hat: the mean token entropy at the rollout temperature over rows with an empty prefix (refills,
+    cold starts, cuts at 0), all ranks together; H* itself (no change of k) when there are none."""
+    ents = [r.entropy for r in rows if r.entropy is not None and r.prefix_len == 0]
+    return parallel.mean_all(torch.cat(ents or [torch.zeros(0)]).float().cpu(), default=args.entropy_target)
+
+
+def snapshot(model) -> list[torch.Tensor]:
+    """A CPU copy of this process's weights (its shards under FSDP): never a second full copy on the GPU."""
+    return [parallel.local(p).detach().to("cpu", copy=True) for p in model.parameters()]
+
+
+def displacement(model, before: list[torch.Tensor]) -> float:
+    """L2 norm of the parameter change since `before` (for the critic LR ladder), one parameter at a time."""
+    local = sum(float((parallel.local(p).detach() - b.to(parallel.local(p).device)).float().pow(2).sum())
+                for p, b in zip(model.parameters(), before))
+    return math.sqrt(parallel.sum_all(local))
+
+
+def actor_loss(rows: list[TrainRow], logp, clip_high: float, denom: float, args: Args):
+    """The dual-clip PPO loss of one micro-batch, token mean over its minibatch (Appendix C)."""
+    adv = torch.cat([torch.full((r.n,), r.advantage) for r in rows]).to(logp.device)
+    tok_loss, st = ppo_loss(logp, torch.cat([r.old_logp for r in rows]), adv, args.clip_low, clip_high,
+                            args.dual_clip)
+    return tok_loss.sum() / denom, {key: float(v.detach().float().sum()) for key, v in st.items()}
+
+
+def critic_loss(rows: list[TrainRow], logp, n_records: int):
+    """NLL of the value tokens + end-of-turn, weight w/4 per token, summed / records (Appendix C)."""
+    w = torch.cat([torch.full((r.n,), r.weight / 4) for r in rows]).to(logp.device)
+    return -(logp * w).sum() / n_records, {}
+
+
+def critic_step(model, critic_opt, rows: list[TrainRow], n_records: int, lr: float, args: Args,
+                peaks) -> tuple[float, float | None]:
+    """One critic AdamW step (its state visits the GPU for this step only). Returns (loss, ||d_critic||): nan and
+    None without records, and d = inf for a step skipped as non-finite (the ladder counts it, as the released
+    code does)."""
+    if not rows:
+        return float("nan"), None
+    for group in critic_opt.param_groups:
+        group["lr"] = lr
+    before = snapshot(model)
+    result = train_minibatch(model, critic_opt, rows, list(range(len(rows))), partial(critic_loss, n_records=n_records),
+                             1.0, args.critic_max_grad_norm, args, peaks, offload=True,
+                             phases=("critic_step", "critic_step"))
+    return result.loss, displacement(model, before) if result.stepped else math.inf
+
+
+def train_actor_and_critic(model, actor_opt, critic_opt, actor: list[TrainRow], critic: list[TrainRow],
+                           n_records: int, clip_high: float, ladder: CriticLR, args: Args, peaks) -> dict:
+    """Step 10 (Section 3.3): actor minibatch 1 -> one critic step -> actor minibatch 2 on the shared weights, each
+    with its own AdamW state; then the critic's LR ladder on rho = ||d_critic|| / (||d_ppo1|| + ||d_ppo2||)."""
+    model.train()
+    totals, grad_norms, d_actor, skipped = collections.Counter(), [], [], 0
+    critic_loss_value, d_critic = float("nan"), None
+    for m, mb in enumerate(minibatches(actor, args.num_minibatches)):
+        if m == 1:
+            critic_loss_value, d_critic = critic_step(model, critic_opt, critic, n_records, ladder.lr, args, peaks)
+        if not mb:
+            d_actor.append(0.0)
+            continue
+        before = snapshot(model)
+        loss = partial(actor_loss, clip_high=clip_high, denom=sum(actor[i].n for i in mb), args=args)
+        result = train_minibatch(model, actor_opt, actor, mb, loss, args.temperature, args.max_grad_norm, args, peaks,
+                                 args.offload_optimizer)
+        totals.update(result.sums)
+        totals["policy_loss"] += result.loss / args.num_minibatches
+        grad_norms.append(result.grad_norm)
+        skipped += not result.stepped
+        d_actor.append(displacement(model, before))
+    if args.num_minibatches == 1:
+        critic_loss_value, d_critic = critic_step(model, critic_opt, critic, n_records, ladder.lr, args, peaks)
+    model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
+    rho = ladder_ratio(d_critic, d_actor)
+    ladder.update(rho, args)
+    return {**update_scalars(totals, grad_norms, skipped, actor, ("clip_low", "clip_high", "clip_dual", "approx_kl")),
+            "ac2/critic_loss": critic_loss_value, "ac2/critic_lr": ladder.lr,
+            "ac2/critic_rho": rho if rho is not None else float("nan")}
+
+
+def count_rollouts(groups: list[Group], counters: Counters) -> collections.Counter:
+    """Every policy rollout of this step into the counters (refills included, critic calls not; Appendix B); the
+    new tokens of each lane."""
+    lane_tokens = collections.Counter()
+    for g in groups:
+        for s in g.samples:
+            lane_tokens[g.lane] += len(s.completion.token_ids)
+            counters.add(len(s.context), len(s.completion.token_ids))
+    return lane_tokens
+
+
+def step_scalars(groups, lane_tokens, probes, newly_ready, tracker, bank, buffer, fifo, n_records, n_problems,
+                 args: Args) -> dict[str, float]:
+    """AC2's own logged quantities of one step."""
+    judged = [g.verdicts[i] for g in groups for i in range(len(g.samples)) if not g.consumed[i]]
+    step_errors = [p.error for p in probes if p.error is not None]
+    scalars = {
+        "charts/learning_rate": args.learning_rate, "train/reward_mean": float(np.mean([(p or 0) / 7 for p, _ in judged]
+                                                                                       or [0.0])),
+        "ac2/value_mean": float(np.mean([v for g in groups if g.lane != "refill" for v in g.values] or [0.0])),
+        "ac2/global_mae": tracker.global_mae() or float("nan"), "ac2/gate_open": float(tracker.gate_open()),
+        "ac2/probe_mae": float(np.mean(step_errors or [np.nan])),
+        "ac2/ready_problems": len(tracker.ready) if not tracker.all_ready else n_problems,
+        "ac2/newly_ready": len(newly_ready), "ac2/bank_size": len(bank.proofs),
+        "ac2/buffer_size": len(buffer.trajectories), "ac2/critic_fifo": len(fifo.records),
+        "ac2/critic_records": n_records, "ac2/consumed_rows": sum(sum(g.consumed) for g in groups),
+        "ac2/judged_rows": len(judged), "ac2/invalid_judge": sum(not ok for _, ok in judged),
+        "ac2/invalid_critic": sum(c is None for g in groups for c, used in zip(g.critic, g.consumed) if used),
+    }
+    for lane in ("refill", "cold", "full", "short", "audit", "single"):
+        scalars[f"ac2/tokens_{lane}"] = lane_tokens[lane]
+    scalars["ac2/new_tokens_per_sample"] = sum(lane_tokens.values()) / max(1, sum(len(g.samples) for g in groups))
+    return scalars
+
+
+def progress_line(step: int, scalars: dict, last_eval: float, tracker: ReadinessTracker, clock: Clock,
+                  args: Args) -> str:
+    t, tokens = clock.times, sum(v for k, v in scalars.items() if k.startswith("ac2/tokens_"))
+    return (f"step {step}/{args.num_steps} | reward {scalars['train/reward_mean']:.3f} | eval {last_eval:.3f} | "
+            f"ready {scalars['ac2/ready_problems']} gate {int(tracker.gate_open())} mae "
+            f"{scalars['ac2/global_mae']:.3f} | consumed {scalars['ac2/consumed_rows']} | tokens {tokens} | gen "
+            f"{t['time/generate']:.1f}s critic {t['time/critic']:.1f}s train {t['time/train']:.1f}s")
+
+
+def save(step: int, model, tok, actor_opt, critic_opt, run_name: str, buffer: ReplayBuffer, tracker: ReadinessTracker,
+         bank: ReferenceBank, fifo: CriticFifo, ladder: CriticLR, k_entropy: float, counters: Counters,
+         args: Args) -> Path:
+    """A checkpoint of everything the run carries, as of the end of step `step`."""
+    state = {"run_name": run_name, "buffer": buffer.state_dict(), "readiness": tracker.state_dict(),
+             "bank": bank.state_dict(), "critic_fifo": fifo.state_dict(), **ladder.state_dict(),
+             "entropy_k": k_entropy, **counters.state_dict()}
+    return parallel.save_checkpoint(Path(args.checkpoint_dir) / run_name, step, model, tok,
+                                    {"actor": actor_opt, "critic": critic_opt}, state, args.keep_checkpoints)
+
+
+# ====================================================================================================
+# TRY NOT TO MODIFY: the shared machinery. Identical in grpo.py, ac2.py, rpo.py and ccr.py
+# (tests/test_shared_blocks.py): sampling records, log-probabilities, the update around each script's own
+# loss, evaluation, set-up, logging.
+# ====================================================================================================
+@dataclasses.dataclass
+class Problems:
+    """A set of problems: the data set's rows and their tokenized prompts."""
+
+    rows: list[dict]
+    prompts: list[list[int]]
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sampled continuation of a prompt (+ prefix): which problem, the tokens before it, what was sampled."""
+
+    problem: int  # its index among the training problems (CCR: the pack's, in this step's batch)
+    context: list[int]  # prompt (+ replayed prefix) token ids
+    completion: engine.Completion
+
+
+@dataclasses.dataclass
+class TrainRow:
+    """One sequence the trainer scores: loss on the n tokens of `ids` from position `start` on.
+
+    `sampled`: the engine's sampling log-probabilities of the tokens it drew this step, the last len(sampled)
+    loss tokens (the sampler / trainer gap is measured on them). `weight`: the row's weight in its loss; 0 leaves
+    it out of the update (its tokens still count in the update's statistics). The old log-probabilities, the
+    entropies and the reference's log-probabilities are filled in by `old_logprobs`, on the rank that trains it.
+    """
+
+    ids: list[int]
+    start: int
+    n: int
+    advantage: float = 0.0
+    weight: float = 1.0
+    sampled: list[float] = dataclasses.field(default_factory=list)
+    prefix_len: int = 0  # tokens of a replayed prefix after the prompt (AC2, RPO); 0: a response to the prompt alone
+    old_logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Counters:
+    """The cumulative counts every script logs and checkpoints (charts/decoding_flops, charts/generated_tokens)."""
+
+    flops_A: int
+    flops_B: int
+    decoding_flops: int = 0
+    generated_tokens: int = 0
+
+    def add(self, context_len: int, new_tokens: int) -> None:
+        """One policy rollout of `new_tokens` after `context_len` tokens (AC2 paper, Eq. 6)."""
+        self.decoding_flops += engine.decoding_flops(self.flops_A, self.flops_B, context_len, new_tokens)
+        self.generated_tokens += new_tokens
+
+    def add_samples(self, samples: list[Sample]) -> None:
+        for s in samples:
+            self.add(len(s.context), len(s.completion.token_ids))
+
+    def scalars(self) -> dict[str, int]:
+        return {"charts/decoding_flops": self.decoding_flops, "charts/generated_tokens": self.generated_tokens}
+
+    def state_dict(self) -> dict:
+        return {"decoding_flops": self.decoding_flops, "generated_tokens": self.generated_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decoding_flops, self.generated_tokens = state["decoding_flops"], state["generated_tokens"]
+
+
 def request_seed(*keys: int) -> int:
     """A sampling seed per (run seed, step, request): resumed runs sample exactly what straight runs did."""
     return int(np.random.SeedSequence([abs(k) for k in keys]).generate_state(1)[0] >> 1)
 
 
-def encode_prompt(tokenizer, template: str, problem: str) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": template.format(problem=problem)}], tokenize=False, add_generation_prompt=True
-    )
+def encode_chat(tokenizer, message: str) -> list[int]:
+    """A chat-templated user turn + the generation prompt (for thinking models it opens `<think>`)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _chunk_logprobs(hidden, targets, weight, bias, temperature: float, with_entropy: bool):
-    logits = F.linear(hidden, weight, bias).float() / temperature
+    logits = F.linear(hidden, weight, bias).float() / temperature  # [chunk, vocab], never [tokens, vocab]
     logz = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None])[:, 0] - logz
-    entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
+    if not with_entropy:
+        return logp, None
+    entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return logp, entropy
 
 
@@ -578,12 +1195,17 @@ def final_hidden_states(model, input_ids):
 
 
 def sequence_logprobs(model, input_ids, starts, lengths, temperature: float, chunk: int, with_entropy=False):
-    """Log-probs (and entropies) of input_ids[b, starts[b] : starts[b] + lengths[b]], LM head in checkpointed
-    chunks so no [tokens x vocab] tensor is kept. Flat over the selected tokens, in batch order."""
+    """Log-probabilities (and entropies) of tokens input_ids[b, starts[b] : starts[b]+lengths[b]].
+
+    Right-padded batch, plain positions 0..n-1 as vLLM saw them. Only the hidden states of the needed
+    positions go through the LM head, `chunk` positions at a time; with gradients on, each chunk is
+    checkpointed so its logits are recomputed in the backward pass instead of kept.
+    Returns flat tensors over the selected tokens, in batch order.
+    """
     hidden = final_hidden_states(model, input_ids)
     rows = torch.cat([torch.full((n,), b, dtype=torch.long) for b, n in enumerate(lengths)]).to(input_ids.device)
     cols = torch.cat([torch.arange(s - 1, s - 1 + n) for s, n in zip(starts, lengths)]).to(input_ids.device)
-    h, targets = hidden[rows, cols], input_ids[rows, cols + 1]
+    h, targets = hidden[rows, cols], input_ids[rows, cols + 1]  # position t predicts token t+1
     head = model.get_output_embeddings()
     logps, ents = [], []
     for i in range(0, h.shape[0], chunk):
@@ -595,18 +1217,8 @@ def sequence_logprobs(model, input_ids, starts, lengths, temperature: float, chu
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
-def ppo_loss(logp, old_logp, adv, clip_low: float, clip_high: float, dual_clip: float):
-    """Per-token dual-clip PPO loss (Appendix C): max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), capped at -A c
-    for A < 0; r = exp(clamp(logp - old_logp, -20, 20))."""
-    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
-    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))
-    dual = (adv < 0) & (loss > -adv * dual_clip)
-    loss = torch.where(dual, -adv * dual_clip, loss)
-    clipped = ((adv < 0) & (ratio < 1 - clip_low)) | ((adv > 0) & (ratio > 1 + clip_high))
-    return loss, {"clipfrac": clipped, "clipfrac_dual": dual, "approx_kl": (ratio - 1) - torch.log(ratio)}
-
-
 def make_micro_batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Greedy packing, longest first, so that (rows x longest row) <= budget tokens (one row may exceed it)."""
     order = sorted(indices, key=lambda i: -lengths[i])
     batches, current = [], []
     for i in order:
@@ -617,8 +1229,9 @@ def make_micro_batches(indices: list[int], lengths: list[int], budget: int) -> l
     return batches + ([current] if current else [])
 
 
-def pad_batch(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
-    out = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
+def pad_batch(seqs: list[list[int]], device) -> torch.Tensor:
+    """Right-padded token ids: causal attention never lets a real token see the pads after it, so any id does."""
+    out = torch.zeros((len(seqs), max(map(len, seqs))), dtype=torch.long)
     for i, s in enumerate(seqs):
         out[i, : len(s)] = torch.tensor(s)
     return out.to(device)
@@ -630,84 +1243,185 @@ def autocast(device):
     return torch.autocast("cpu", enabled=False)
 
 
-def snapshot(model) -> list[torch.Tensor]:
-    """A CPU copy of this process's weights (its shards under FSDP): never a second full copy on the GPU."""
-    return [dist.local(p).detach().to("cpu", copy=True) for p in model.parameters()]
+def old_logprobs(model, rows: list[TrainRow], temperature: float, args, peaks, ref_model=None) -> None:
+    """The trainer's log-probabilities (logits / T) and entropies of every row's loss tokens before the update --
+    and the frozen reference's, with `ref_model` -- for the rows this rank trains (all of them in one process;
+    row i: rank i % world under torchrun). The ratio's denominator is recomputed, not the engine's."""
+    device = next(model.parameters()).device
+    model.eval()
+    peaks.start()
+    with torch.no_grad(), autocast(device):
+        for micro in parallel.even(make_micro_batches(parallel.mine(range(len(rows))), [len(r.ids) for r in rows],
+                                                      args.micro_batch_tokens)):
+            if not micro:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
+                parallel.idle_pass(model)
+                if ref_model is not None:
+                    parallel.idle_pass(ref_model)
+                continue
+            batch = [rows[i] for i in micro]
+            ids, starts, ns = pad_batch([r.ids for r in batch], device), [r.start for r in batch], [r.n for r in batch]
+            lp, ent = sequence_logprobs(model, ids, starts, ns, temperature, args.logprob_chunk_tokens,
+                                        with_entropy=True)
+            ref = sequence_logprobs(ref_model, ids, starts, ns, temperature, args.logprob_chunk_tokens)[0] \
+                if ref_model is not None else None
+            for r, a, b, c in zip(batch, lp.split(ns), ent.split(ns), ref.split(ns) if ref is not None else ns):
+                r.old_logp, r.entropy, r.ref_logp = a, b, (c if ref is not None else None)
+    peaks.end("old_logprobs")
 
 
-def displacement(model, before: list[torch.Tensor]) -> float:
-    """L2 norm of the parameter change since `before` (for the critic LR ladder), one parameter at a time."""
-    local = sum(float((dist.local(p).detach() - b.to(dist.local(p).device)).float().pow(2).sum())
-                for p, b in zip(model.parameters(), before))
-    return math.sqrt(dist.sum_all(local))
+def sampled_tokens(rows: list[TrainRow], field: str = "old_logp") -> torch.Tensor:
+    """This rank's rows' `old_logp` or `entropy` on the tokens the engine sampled, on the CPU, in row order."""
+    mine = [r for r in rows if r.old_logp is not None]
+    return torch.cat([getattr(r, field)[r.n - len(r.sampled):] for r in mine] or [torch.zeros(0)]).float().cpu()
 
 
-# ----------------------------------------------------------------------------------------------------
-# Step state
-# ----------------------------------------------------------------------------------------------------
+def sampled_entropy(rows: list[TrainRow]) -> float:
+    """The mean token entropy (at the sampling temperature, before the update) over the tokens the engine sampled,
+    all ranks together."""
+    return parallel.mean_all(sampled_tokens(rows, "entropy"))
+
+
+def sampler_gap(rows: list[TrainRow]) -> dict[str, float]:
+    """The engine's sampling log-probabilities against the trainer's old ones on the same tokens, over all ranks:
+    the k3 KL (`sampling/mismatch_kl`) and the largest gap (`sampling/mismatch_max`)."""
+    engine_lp = torch.tensor([x for r in rows if r.old_logp is not None for x in r.sampled])
+    log_ratio = sampled_tokens(rows) - engine_lp
+    return {"sampling/mismatch_kl": parallel.mean_all(torch.exp(log_ratio) - 1 - log_ratio),
+            "sampling/mismatch_max": parallel.max_all(float(log_ratio.abs().max()) if len(log_ratio) else 0.0)}
+
+
+def minibatches(rows: list[TrainRow], num_minibatches: int) -> list[list[int]]:
+    """One epoch in `num_minibatches` consecutive slices of the rows (no shuffle), without the rows that carry no
+    loss (no tokens, or weight 0); a slice may come out empty."""
+    n = len(rows)
+    return [[i for i in range(m * n // num_minibatches, (m + 1) * n // num_minibatches)
+             if rows[i].n > 0 and rows[i].weight > 0] for m in range(num_minibatches)]
+
+
 @dataclasses.dataclass
-class Trajectory:
-    """A replay buffer entry: one fresh full rollout."""
-
-    problem: int
-    tokens: list[int]
-    proof: str | None  # its own proof if it passed (>= pass_points): the reference for prefixes cut from it
-
-
-@dataclasses.dataclass
-class Group:
-    """The continuations of one prompt+prefix: a refill (n=1), a cold-start or a replay group."""
-
-    problem: int
-    prefix: list[int]
-    lane: str  # refill | cold | full | short | audit | single (group-size-one chunk)
-    source: Trajectory | None = None
-    max_tokens: int = 0
-    rows: list = dataclasses.field(default_factory=list)  # Completion objects
-    values: list = dataclasses.field(default_factory=list)  # v_i (None = invalid critic value)
-    valid: list = dataclasses.field(default_factory=list)  # valid for critic targets
-    points: list = dataclasses.field(default_factory=list)  # judge points (None: consumed or invalid)
-    consumed: list = dataclasses.field(default_factory=list)
-    weights: list = dataclasses.field(default_factory=list)  # actor-loss weight per row
-    probe: float | None = None
-    probe_overflow: bool = False
-    reference: str | None = None
+class MinibatchResult:
+    loss: float  # the minibatch loss (all ranks)
+    sums: dict[str, float]  # the micro-batch loss's token counts, this rank's rows
+    grad_norm: float
+    stepped: bool  # False: a non-finite loss or gradient, and the step was skipped
 
 
-def main(args: Args) -> dict:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def train_minibatch(model, optimizer, rows: list[TrainRow], indices: list[int], micro_batch_loss, temperature: float,
+                    max_grad_norm: float, args, peaks, offload: bool,
+                    phases: tuple[str, str] = ("backward", "optimizer_step")) -> MinibatchResult:
+    """One optimizer step on the rows `indices`: this rank's share, in micro-batches of at most
+    --micro-batch-tokens padded tokens whose gradients accumulate; `micro_batch_loss(rows, logp)` is the script's
+    own loss, (this micro-batch's share of the minibatch loss, {name: token count}). Gradients clipped to
+    `max_grad_norm`; a non-finite loss or gradient would poison the weights, so that step is skipped. `phases`
+    name the memory/<phase> logs of the passes and of the optimizer step."""
+    device = next(model.parameters()).device
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, sums = 0.0, collections.Counter()
+    peaks.start()
+    for micro in parallel.even(make_micro_batches(parallel.mine(indices), [len(r.ids) for r in rows],
+                                                  args.micro_batch_tokens)):
+        if not micro:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
+            parallel.idle_pass(model)
+            continue
+        batch = [rows[i] for i in micro]
+        ids = pad_batch([r.ids for r in batch], device)
+        with autocast(device):
+            logp, _ = sequence_logprobs(model, ids, [r.start for r in batch], [r.n for r in batch], temperature,
+                                        args.logprob_chunk_tokens)
+        loss, counts = micro_batch_loss(batch, logp)
+        loss.backward()
+        loss_sum += float(loss.detach())
+        sums.update(counts)
+    peaks.end(phases[0])
+    loss_sum = parallel.sum_all(loss_sum)  # each rank summed its own rows
+    grad_norm = parallel.full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    stepped = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm))
+    if stepped:
+        peaks.start()
+        parallel.optimizer_step(optimizer, device, offload)
+        peaks.end(phases[1])
+    return MinibatchResult(loss_sum, dict(sums), float(grad_norm), stepped)
+
+
+LOSS_KEYS = {"clip_low": "losses/clipfrac_low", "clip_high": "losses/clipfrac_high",
+             "clip_dual": "losses/clipfrac_dual", "approx_kl": "losses/approx_kl", "kl_ref": "losses/kl_ref"}
+
+
+def update_scalars(totals: dict, grad_norms: list[float], skipped: int, rows: list[TrainRow],
+                   stats: tuple[str, ...]) -> dict[str, float]:
+    """The losses/* keys of one update: the policy loss (summed over minibatches by the caller), each count of
+    `stats` as a share of all the rows' loss tokens (all ranks together), losses/clipfrac = low + high, the mean
+    gradient norm before clipping and the steps skipped as non-finite."""
+    n_tok = max(sum(r.n for r in rows), 1)
+    out = {"losses/policy_loss": totals["policy_loss"]}
+    out.update({LOSS_KEYS[k]: parallel.sum_all(totals[k]) / n_tok for k in stats})  # each rank counted its own rows
+    out["losses/clipfrac"] = out["losses/clipfrac_low"] + out["losses/clipfrac_high"]
+    return {**out, "losses/grad_norm": float(np.mean(grad_norms or [0.0])), "losses/skipped_steps": skipped}
+
+
+def sample_for_eval(llm, tok, prompts: list[list[int]], salt: int, label: str, args):
+    """The evaluation sampler on these prompts, the same seeds at every evaluation: (texts, lengths)."""
     from vllm import SamplingParams
 
-    # one process per GPU under torchrun, each holding all of the algorithm's state (common/dist.py)
-    rank, world, device = dist.init()
-    master = rank == 0
-    if master and world > 1:
+    params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
+                             top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
+                             seed=request_seed(args.seed, salt, i)) for i in range(len(prompts))]
+    groups = engine.generate(llm, prompts, params, progress=f"evaluation: {label}")
+    return ([tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g],
+            [len(c.token_ids) for g in groups for c in g])
+
+
+def evaluate(step: int, llm, tok, held_out: Problems, train_sample: Problems, score, args, writer,
+             more=None) -> float:
+    """eval/mean_score on the held-out problems, --eval-samples each; the same sampling on a fixed sample of
+    training problems (eval/train_score: the train / held-out gap); `more()` adds a script's own evaluations.
+    `score(texts, rows, held_out)` is the script's: (a score per text, extra keys)."""
+    t0 = time.time()
+    texts, lengths = sample_for_eval(llm, tok, held_out.prompts, -1, "held-out problems", args)
+    scores, logged = score(texts, [r for r in held_out.rows for _ in range(args.eval_samples)], True)
+    logged = {"eval/mean_score": float(np.mean(scores)), **logged, "eval/response_len_mean": float(np.mean(lengths))}
+    if train_sample.prompts:
+        texts, _ = sample_for_eval(llm, tok, train_sample.prompts, -4, "training problems", args)
+        scores, _ = score(texts, [r for r in train_sample.rows for _ in range(args.eval_samples)], False)
+        logged["eval/train_score"] = float(np.mean(scores))
+    logged.update(more() if more else {})
+    logged["time/eval"] = time.time() - t0
+    log_scalars(writer, logged, step)
+    return logged["eval/mean_score"]
+
+
+def evaluating(step: int, last_step: int, args) -> bool:
+    """Evaluate before training, every --eval-every steps and after the last step."""
+    return bool(args.eval_every) and (step % args.eval_every == 0 or step == last_step)
+
+
+def train_sample(n_problems: int, args) -> list[int]:
+    """The fixed, seeded sample of training problems evaluated like the held-out ones (eval/train_score)."""
+    if not args.eval_every:
+        return []
+    return sorted(random.Random(args.seed).sample(range(n_problems), min(args.train_eval_problems, n_problems)))
+
+
+def start_run(args) -> tuple[int, torch.device, Path | None, dict | None, str]:
+    """Rank, device, the checkpoint to resume (with its state) and the run name; seeds Python, NumPy and torch.
+    One process per GPU under torchrun, each holding all of the algorithm's state (common/parallel.py)."""
+    rank, world, device = parallel.init()
+    if rank == 0 and world > 1:
         print(f"{world} ranks, one {device.type} each", flush=True)
-    resume_dir = dist.find_checkpoint(args.resume) if args.resume else None
-    ckpt = dist.read_state(resume_dir) if resume_dir else None
+    resume_dir = parallel.find_checkpoint(args.resume) if args.resume else None
+    ckpt = parallel.read_state(resume_dir) if resume_dir else None
     run_name = args.run_name or (ckpt["run_name"] if ckpt else f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    run_name = dist.from_rank0(run_name)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    tiny_task = args.dataset == "tiny"
+    return rank, device, resume_dir, ckpt, parallel.from_rank0(run_name)
 
-    # --- data, models, engine, judge (fail fast, one sentence) ---
-    train_rows = load_rows(args.dataset, args.dataset_split, [args.problem_field], args.train_limit)
-    eval_fields = [args.problem_field] + ([] if args.eval_dataset == "tiny" else [args.eval_solution_field])
-    eval_rows = load_rows(args.eval_dataset, args.eval_split, eval_fields, args.eval_limit) if args.eval_every else []
-    judge = None  # checked with one real grading request before any model is loaded
-    if not tiny_task:
-        judge = Judge(JudgeConfig(args.judge_base_url, args.judge_model, args.judge_api_key_env,
-                                  args.judge_max_concurrency, args.judge_timeout_s, args.judge_max_retries,
-                                  temperature=args.judge_temperature, max_tokens=args.judge_max_tokens))
-        if master:
-            print(f"checking the judge {args.judge_model} at {args.judge_base_url} with one real grading request...",
-                  flush=True)
-        if (err := judge.check()) is not None:
-            raise SystemExit(f"the judge {args.judge_model} at {args.judge_base_url} failed a grading request with "
-                             f"the run's settings (max_tokens {args.judge_max_tokens}, temperature "
-                             f"{args.judge_temperature}): {err}")
+
+def load_policy(args, device, resume_dir: Path | None):
+    """(model path, config, tokenizer, trainer): fp32 master weights, FSDP2-sharded under a process group
+    (common/parallel.py), gradient checkpointing on GPU; an unreachable model stops the run in one sentence."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     model_path = resolve_model(args.model)
     try:
         config = AutoConfig.from_pretrained(model_path)
@@ -715,479 +1429,204 @@ def main(args: Args) -> dict:
     except Exception as e:
         raise SystemExit(f"could not load model {args.model!r}: {str(e).splitlines()[0][:300]}") from None
     model = AutoModelForCausalLM.from_pretrained(resume_dir / "policy" if resume_dir else model_path,
-                                                 dtype=torch.float32)  # fp32 master weights
+                                                 dtype=torch.float32)
     if device.type == "cuda" and args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    model = dist.shard(model, device)  # FSDP2 under a process group (common/dist.py)
-    # one set of weights, two optimizers with their own state (Section 3.3); the critic's state spends all but its
-    # one step per training step in CPU memory, the actor's too with --offload-optimizer (fused: no temporary)
-    actor_opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
-    critic_opt = torch.optim.AdamW(model.parameters(), lr=args.critic_lr, weight_decay=0.0, betas=(0.9, 0.999),
-                                   eps=1e-8, fused=device.type == "cuda")
-    prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in train_rows]
-    eval_prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in eval_rows]
-    # a fixed sample of training problems, evaluated like the held-out ones (eval/train_score)
-    train_eval_rows = [train_rows[i] for i in sorted(random.Random(args.seed).sample(
-        range(len(train_rows)), min(args.train_eval_problems, len(train_rows))))] if args.eval_every else []
-    train_eval_prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in train_eval_rows]
-    eval_max_tokens = args.eval_max_tokens if args.eval_every else 0  # the engine's context need not hold it
-    max_len = max(map(len, prompts + eval_prompts)) + max(args.budget, eval_max_tokens) + args.critic_context_extra
-    max_len = min(max_len, getattr(config.get_text_config(), "max_position_embeddings", max_len))
-    peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
+    return model_path, config, tok, parallel.shard(model, device)
+
+
+def load_reference(model_path: str, device):
+    """The frozen initial policy, for a KL penalty."""
+    from transformers import AutoModelForCausalLM
+
+    ref = parallel.shard(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), device).eval()
+    return ref.requires_grad_(False)
+
+
+def adamw(model, lr: float, weight_decay: float, device) -> torch.optim.AdamW:
+    """AdamW, betas (0.9, 0.999), eps 1e-8; fused on GPU (no full-size temporary)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8,
+                             fused=device.type == "cuda")
+
+
+def start_engine(model_path: str, max_model_len: int, args, peaks, master: bool):
+    """The in-process vLLM engine (common/engine.py); memory/engine_start is its start-up's peak."""
     peaks.start()
     if master:
         print(f"starting the vLLM engine for {args.model} ...", flush=True)
-    llm = engine.create_engine(model_path, max_model_len=max_len, seed=args.seed,
+    llm = engine.create_engine(model_path, max_model_len=max_model_len, seed=args.seed,
                                gpu_memory_utilization=args.gpu_memory_utilization)
     peaks.end("engine_start")
-    flops_A, flops_B = engine.decoding_flops_coefficients(config)
+    return llm
 
-    def find_proof(text: str) -> str | None:
-        """The proof a judge grades; on the tiny task the whole trace, once its answer is boxed after </think>."""
-        if tiny_task:
-            return text.strip() if extract_final_answer(text) is not None else None
-        return extract_proof(text)
 
-    def judge_texts(texts: list[str], rows: list[dict], validation=False):
-        """([(points or None, valid)] per text, [(error, detail)] per judge call). No proof: 0 points, no call,
-        valid (spec/ac2.md step 5). Training uses the 7/6/1/0 grader, validation the 0-7 one with references."""
-        if tiny_task and (not validation or args.eval_dataset == "tiny"):
-            return [(7 * int(tiny_reward(t, r["answer"])), True) for t, r in zip(texts, rows)], []
-        proofs = [find_proof(t) for t in texts]
-        todo = [i for i, p in enumerate(proofs) if p is not None]
-        res = judge.grade([rows[i][args.problem_field] for i in todo], [proofs[i] for i in todo],
-                          [rows[i].get(args.eval_solution_field) for i in todo] if validation else None,
-                          [rows[i].get(args.eval_guidelines_field) for i in todo] if validation else None,
-                          validation=validation)
-        out = [(0, True)] * len(texts)
-        for i, r in zip(todo, res):
-            out[i] = (r.points, r.valid)
-        return out, [(r.error, r.detail) for r in res]
+def open_writer(run_name: str, args, master: bool) -> SummaryWriter | None:
+    """TensorBoard under runs/<run_name> with the hyperparameters (rank 0 only; --track mirrors it to W&B)."""
+    if not master:
+        return None
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+        f"|{k}|{v!r}|" for k, v in vars(args).items()))
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
+    return writer
+
+
+def log_scalars(writer: SummaryWriter | None, scalars: dict[str, float], step: int) -> None:
+    if writer is not None:
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+
+
+def log_step(writer: SummaryWriter | None, step: int, scalars: dict[str, float], shown: list[str], args) -> None:
+    """This step's scalars, and a few sample completions as text every --log-completions-every steps."""
+    log_scalars(writer, scalars, step)
+    if writer is not None and args.log_completions_every and step % args.log_completions_every == 0:
+        writer.add_text("samples/completions", "\n\n".join(shown), step)
+
+
+def saving(step: int, last_step: int, args) -> bool:
+    """A checkpoint every --save-every steps and after the last one (--save-every 0: never)."""
+    return bool(args.save_every) and (step % args.save_every == 0 or step == last_step)
+
+
+def wake_up(llm, model, peaks) -> None:
+    """The engine serves the trainer's new weights from the next rollout on (sync, then the KV cache back)."""
+    peaks.start()
+    engine.wake_up(llm, model)
+    peaks.end("wake_up")
+
+
+class Clock:
+    """Wall-clock seconds of each phase of a step (time/<phase>) and of the whole step (charts/step_time)."""
+
+    def __init__(self):
+        self.start = self.last = time.time()
+        self.times: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.time()
+        self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + now - self.last
+        self.last = now
+
+    def scalars(self) -> dict[str, float]:
+        return {"charts/step_time": time.time() - self.start, **self.times}
+# ------------------------------------------------------------------------------------ end: the shared machinery
+
+
+def main(args: Args) -> dict:
+    rank, device, resume_dir, ckpt, run_name = start_run(args)
+    master = rank == 0
+
+    # --- data, judge, models and engine (each fails fast, with one sentence) ---
+    rows = load_rows(args.dataset, args.dataset_split, [args.problem_field], args.train_limit)
+    eval_fields = [args.problem_field] + ([] if args.eval_dataset == "tiny" else [args.eval_solution_field])
+    eval_rows = load_rows(args.eval_dataset, args.eval_split, eval_fields, args.eval_limit) if args.eval_every else []
+    judge = start_judge(args, master) if args.dataset != "tiny" else None
+    model_path, config, tok, model = load_policy(args, device, resume_dir)
+    # one set of weights, two optimizers with their own state (Section 3.3); the critic's state spends all but its
+    # one step per training step in CPU memory, the actor's too with --offload-optimizer
+    actor_opt = adamw(model, args.learning_rate, args.weight_decay, device)
+    critic_opt = adamw(model, args.critic_lr, 0.0, device)
+    train = Problems(rows, [encode_chat(tok, args.prompt_template.format(problem=r[args.problem_field]))
+                            for r in rows])
+    held_out = Problems(eval_rows, [encode_chat(tok, args.prompt_template.format(problem=r[args.problem_field]))
+                                    for r in eval_rows])
+    sample = train_sample(len(train.rows), args)
+    train_eval = Problems([train.rows[i] for i in sample], [train.prompts[i] for i in sample])
+    eval_max_tokens = args.eval_max_tokens if args.eval_every else 0  # the engine's context need not hold it
+    max_len = max(map(len, train.prompts + held_out.prompts)) + max(args.budget, eval_max_tokens) + \
+        args.critic_context_extra
+    max_len = min(max_len, getattr(config.get_text_config(), "max_position_embeddings", max_len))
+    peaks = parallel.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
+    llm = start_engine(model_path, max_len, args, peaks, master)
+    score = partial(eval_scores, args=args, judge=judge)
 
     # --- all state a checkpoint carries ---
-    buffer: collections.deque[Trajectory] = collections.deque(maxlen=buffer_capacity(args))
+    buffer, bank, fifo = ReplayBuffer(buffer_capacity(args)), ReferenceBank(), CriticFifo(args.critic_buffer)
     tracker = ReadinessTracker(args.window, args.tau_global, args.tau_local, local=args.readiness == "local")
-    bank: dict[int, str] = {}  # problem -> reference proof (add-once)
-    critic_fifo: collections.deque[dict] = collections.deque(maxlen=args.critic_buffer)
-    critic_lr, ladder_streak, k_entropy = args.critic_lr, 0, args.entropy_k_init
-    start_step, total_flops, total_tokens = 0, 0, 0
+    ladder, k_entropy = CriticLR(args.critic_lr), args.entropy_k_init
+    start_step, counters = 0, Counters(*engine.decoding_flops_coefficients(config))
     judge_streak = 0  # consecutive steps in which over half of the judge calls failed (not checkpointed)
     if ckpt:
-        dist.load_checkpoint(resume_dir, model, {"actor": actor_opt, "critic": critic_opt},
-                             offload=("critic", "actor") if args.offload_optimizer else ("critic",))
-        buffer.extend(Trajectory(**t) for t in ckpt["buffer"])
-        tracker.load(ckpt["readiness"])
-        bank, critic_fifo = ckpt["bank"], collections.deque(ckpt["critic_fifo"], maxlen=args.critic_buffer)
-        critic_lr, ladder_streak, k_entropy = ckpt["critic_lr"], ckpt["ladder_streak"], ckpt["entropy_k"]
-        start_step, total_flops, total_tokens = ckpt["step"], ckpt["decoding_flops"], ckpt["generated_tokens"]
+        parallel.load_checkpoint(resume_dir, model, {"actor": actor_opt, "critic": critic_opt},
+                                 offload=("critic", "actor") if args.offload_optimizer else ("critic",))
+        buffer.load_state_dict(ckpt["buffer"])
+        tracker.load_state_dict(ckpt["readiness"])
+        bank.load_state_dict(ckpt["bank"])
+        fifo.load_state_dict(ckpt["critic_fifo"])
+        ladder.load_state_dict(ckpt)
+        start_step, k_entropy = ckpt["step"], ckpt["entropy_k"]
+        counters.load_state_dict(ckpt)
         if master:
             print(f"resumed from {resume_dir} at step {start_step}")
     engine.sync_weights(llm, model)  # the engine serves exactly the trainer's (possibly resumed) weights
-
-    writer = SummaryWriter(f"runs/{run_name}") if master else None  # rank 0 logs
-    if master:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{k}|{v!r}|" for k, v in vars(args).items()))
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
-
-    def sample_for_eval(prompts_: list[list[int]], salt: int, label: str):
-        """The evaluation sampler on these prompts, the same seeds at every evaluation: (groups, texts)."""
-        params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
-                                 top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
-                                 seed=request_seed(args.seed, salt, i)) for i in range(len(prompts_))]
-        groups = engine.generate(llm, prompts_, params, progress=f"evaluation: {label}")
-        return groups, [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
-
-    def evaluate(step: int) -> float:
-        t0 = time.time()
-        groups, texts = sample_for_eval(eval_prompts, -1, "held-out problems")
-        scored, _ = judge_texts(texts, [r for r in eval_rows for _ in range(args.eval_samples)], validation=True)
-        score = float(np.mean([(p or 0) / 7 for p, _ in scored]))
+    writer = open_writer(run_name, args, master)
+    last_eval = float("nan")
+    if start_step == 0 and args.eval_every:
+        last_eval = evaluate(0, llm, tok, held_out, train_eval, score, args, writer)
         if master:
-            writer.add_scalar("eval/mean_score", score, step)
-            writer.add_scalar("eval/pass_rate", float(np.mean([(p or 0) >= args.pass_points for p, _ in scored])),
-                              step)
-            writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])),
-                              step)
-        if train_eval_prompts:  # the same sampling on training problems (training grader): the train / held-out gap
-            _, texts = sample_for_eval(train_eval_prompts, -4, "training problems")
-            scored, _ = judge_texts(texts, [r for r in train_eval_rows for _ in range(args.eval_samples)])
-            if master:
-                writer.add_scalar("eval/train_score", float(np.mean([(p or 0) / 7 for p, _ in scored])), step)
-        if master:
-            writer.add_scalar("time/eval", time.time() - t0, step)
-        return score
-
-    def save(at_step: int, flops: int, tokens: int) -> Path:
-        """A checkpoint of everything the run carries, as of the end of step `at_step`."""
-        state = {"run_name": run_name, "buffer": [dataclasses.asdict(t) for t in buffer],
-                 "readiness": tracker.state(), "bank": bank, "critic_fifo": list(critic_fifo),
-                 "critic_lr": critic_lr, "ladder_streak": ladder_streak, "entropy_k": k_entropy,
-                 "decoding_flops": flops, "generated_tokens": tokens}
-        return dist.save_checkpoint(Path(args.checkpoint_dir) / run_name, at_step, model, tok,
-                                    {"actor": actor_opt, "critic": critic_opt}, state, args.keep_checkpoints)
-
-    last_eval = evaluate(0) if args.eval_every and start_step == 0 else float("nan")
-    if start_step == 0 and master:
-        print(f"step 0 | eval {last_eval:.3f}")
+            print(f"step 0 | eval {last_eval:.3f}")
 
     for step in range(start_step + 1, args.num_steps + 1):
-        t_step, t0 = time.time(), time.time()
-        counters_at_start = total_flops, total_tokens
+        clock = Clock()
         rng = np.random.default_rng([args.seed, step])  # every random choice of this step, resumable
-
-        # 1. Batch: fresh refill problems (one rollout each) and replay slots cut from the buffer
-        refresh = args.stale_every == 0 or (step - 1) % args.stale_every == 0
-        n_fresh = (args.n_refill if args.stale_every == 0 else args.stale_size) if refresh else 0
-        cold = not buffer
-        fresh = draw_fresh(len(train_rows), n_fresh + (args.n_batch if cold else 0), rng)
-        groups = [Group(p, [], "refill", max_tokens=args.budget) for p in fresh[:n_fresh]]
-        if cold:  # buffer empty: fresh problems, empty prefixes, full groups trained like GRPO, no critic targets
-            groups += [Group(p, [], "cold", max_tokens=args.budget) for p in fresh[n_fresh:]]
-        else:
-            sources = fill_slots(list(buffer), args.n_batch, rng)
-            ready = [not args.prefix_grpo and tracker.is_ready(t.problem) for t in sources]
-            if master:
-                writer.add_scalar("ac2/ready_frac", float(np.mean(ready)), step)
-            # 2. Route: unready -> full, ready -> short chunk, ceil(alpha * n_ready) ready slots -> audit
-            for t, lane in zip(sources, route_slots(ready, audit_fraction(args), rng)):
-                if lane == "short" and args.group_size_one:  # g distinct prefixes (if possible), one chunk each
-                    grid = list(range(0, int(args.cut_max_frac * len(t.tokens)) + 1, args.single_cut_grid))
-                    cuts = rng.choice(grid, size=args.group_size, replace=len(grid) < args.group_size)
-                    groups += [Group(t.problem, t.tokens[: min(int(c), len(t.tokens) - 1)], "single", t) for c in cuts]
-                else:
-                    cut = draw_cut(len(t.tokens), args.cut_grid, args.cut_max_frac, rng)
-                    groups.append(Group(t.problem, t.tokens[:cut], lane, t))
-        for g in groups:  # the budget counts prefix + new tokens
-            remaining = args.budget - len(g.prefix)
-            g.max_tokens = min(args.chunk_tokens, remaining) if g.lane in ("short", "single") else remaining
-
-        # 3. Generate: one request per group, the prefix appended to the templated prompt
+        # 1-2. Batch and route: refills, replay slots cut from the buffer (or a cold start), lanes by readiness
+        groups, refresh, logged = make_groups(buffer, tracker, len(train.rows), step, args, rng)
+        # 3. Generate: full rollouts, or b-token chunks on ready problems
         peaks.start()
-        params = [SamplingParams(n=1 if g.lane in ("refill", "single") else args.group_size,
-                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                 max_tokens=max(g.max_tokens, 1), logprobs=0, seed=request_seed(args.seed, step, i))
-                  for i, g in enumerate(groups)]
-        for g, rows in zip(groups, engine.generate(llm, [prompts[g.problem] + g.prefix for g in groups], params)):
-            g.rows = rows
-        texts = {(gi, ri): tok.decode(g.prefix + c.token_ids, skip_special_tokens=True)
-                 for gi, g in enumerate(groups) for ri, c in enumerate(g.rows)}
-        lane_tokens = collections.Counter()
-        for g in groups:
-            for c in g.rows:
-                lane_tokens[g.lane] += len(c.token_ids)
-                total_flops += engine.decoding_flops(flops_A, flops_B, len(prompts[g.problem]) + len(g.prefix),
-                                                     len(c.token_ids))
-        total_tokens += sum(lane_tokens.values())
-        t_generate = time.time() - t0
-
-        # 4. Critic wave (same weights as the rollouts): one greedy probe V(s) per replay group, and one
-        #    critic call per consumed short row
-        t0 = time.time()
-        for gi, g in enumerate(groups):
-            # the critic's reference: the source trajectory's own proof if it passed, else the bank's, else none
-            g.reference = g.source.proof if g.source and g.source.proof else bank.get(g.problem)
-            g.consumed = [g.lane in ("short", "single") and is_consumed(
-                len(c.token_ids), g.max_tokens, args.chunk_tokens, args.budget - len(g.prefix),
-                find_proof(texts[(gi, ri)]) is not None) for ri, c in enumerate(g.rows)]
-        queries = []  # (group index, row index or -1 for the probe, with reference?)
-        if not args.prefix_grpo:
-            for gi, g in enumerate(groups):
-                if g.lane in ("refill", "cold"):
-                    continue
-                queries.append((gi, -1, True))
-                if args.probe_without_reference and g.reference is not None:
-                    queries.append((gi, -1, False))
-                queries += [(gi, ri, True) for ri, used in enumerate(g.consumed) if used]
-        contexts = [critic_context(prompts[groups[gi].problem],
-                                   groups[gi].prefix + (groups[gi].rows[ri].token_ids if ri >= 0 else []),
-                                   groups[gi].reference if with_ref else None, tok, args)
-                    for gi, ri, with_ref in queries]
-        answers = query_critic(llm, contexts, tok, max_len)
-        critic_values, probe_noref = {}, {}
-        for (gi, ri, with_ref), (value, overflow) in zip(queries, answers):
-            if ri < 0 and with_ref:
-                groups[gi].probe, groups[gi].probe_overflow = value, overflow
-            elif ri < 0:
-                probe_noref[gi] = (value, overflow)
-            else:
-                critic_values[(gi, ri)] = None if overflow else value  # an overflowing context is invalid
+        generate(llm, tok, train, groups, step, args)
+        clock.lap("generate")
+        # 4. Critic wave: a probe V(s) per replay group, a value per consumed chunk
+        critic_wave(llm, tok, train, groups, bank, args, max_len)
         peaks.end("rollout")  # the rollouts and the critic wave
         engine.sleep(llm, args.vllm_sleep_level)
-        t_critic = time.time() - t0
-
-        # 5. Judge every non-consumed row: points/7; no proof -> 0 and valid; failures -> 0 and invalid
-        t0 = time.time()
-        to_judge = [(gi, ri) for gi, g in enumerate(groups) for ri in range(len(g.rows)) if not g.consumed[ri]]
-        judged, calls = judge_texts([texts[k] for k in to_judge],
-                                    [train_rows[groups[gi].problem] for gi, _ in to_judge])
-        verdicts = dict(zip(to_judge, judged))
-        judge_streak, warning = judge_failure_streak(calls, judge_streak)
-        if warning and master:
-            print(f"warning: step {step}: {warning}", flush=True)
-        if judge_streak >= args.judge_max_invalid_steps:  # never train on a dead judge's zeros
-            path = save(step - 1, *counters_at_start)  # nothing else has changed yet this step
-            raise SystemExit(f"stopped: more than half of the judge's calls failed in {judge_streak} consecutive "
-                             f"steps (last: {warning}). The state before step {step} is saved in {path}; fix the "
-                             f"judge, then continue with --resume {path}")
-        # 6. Endpoint values v_i; invalid critic values -> the group's valid mean, zero actor-loss weight
-        for gi, g in enumerate(groups):
-            raw, g.valid, g.points = [], [], []
-            for ri in range(len(g.rows)):
-                if g.consumed[ri]:  # critic value (None = invalid)
-                    raw.append(critic_values[(gi, ri)])
-                    g.valid.append(raw[-1] is not None)
-                    g.points.append(None)
-                else:  # judge reward points/7; an invalid verdict is 0, kept in the update, not a valid target
-                    points, ok = verdicts[(gi, ri)]
-                    raw.append((points or 0) / 7 if ok else 0.0)
-                    g.valid.append(ok)
-                    g.points.append(points if ok else None)
-            g.values, g.weights = replace_invalid_values(raw, g.valid)
-            if g.lane == "single" and (g.probe is None or g.probe_overflow):
-                g.weights = [0.0] * len(raw)  # group-size-one: no baseline V(s), no loss and no target
-        t_score = time.time() - t0
-
-        # 7. Buffer: every fresh rollout with a non-empty response enters (correct-only variant: passes only)
-        if args.stale_every and refresh:
-            buffer.clear()
-        for gi, g in enumerate(groups):
-            if g.lane == "refill" and g.rows[0].token_ids:
-                passed = (g.points[0] or 0) >= args.pass_points
-                if args.buffer_admit == "all" or passed:
-                    buffer.append(Trajectory(g.problem, list(g.rows[0].token_ids),
-                                             find_proof(texts[(gi, 0)]) if passed else None))
-
-        # 8. Critic bookkeeping: readiness (bank as it was before this step), reference bank, critic records
-        probes, records, audit_err, mae_ref, mae_noref = [], [], [], [], []
-        for gi, g in enumerate(groups):
-            if g.lane in ("refill", "cold") or args.prefix_grpo:
-                continue
-            valid_values = [v for v, ok in zip(g.values, g.valid) if ok]
-            enough = len(valid_values) >= (1 if g.lane == "single" else args.min_valid)
-            if g.lane == "single" and (g.probe is None or g.probe_overflow):
-                enough = False
-            z = round_to_grid(float(np.mean(valid_values))) if enough else None
-            probes.append(Probe(g.problem, g.probe, z, g.probe_overflow))
-            if z is not None:
-                records.append({"problem": g.problem, "prefix": list(g.prefix), "target": z,
-                                "reference": g.source.proof if g.source else None})
-                if g.probe is not None and g.reference is not None and gi in probe_noref:
-                    noref_value = probe_noref[gi][0]
-                    mae_ref.append(abs(g.probe - z))
-                    mae_noref.append(1.0 if noref_value is None else abs(noref_value - z))
-            if g.lane == "audit" and g.probe is not None:
-                audit_err.append(abs(g.probe - float(np.mean(valid_values or [0.0]))))
-        newly_ready = tracker.update(probes, bank_before=set(bank))
-        candidates = collections.defaultdict(list)
-        for gi, g in enumerate(groups):
-            for ri, pts in enumerate(g.points):
-                if pts is not None and pts >= args.pass_points and (proof := find_proof(texts[(gi, ri)])):
-                    candidates[g.problem].append(proof)
-        for problem in sorted(candidates):
-            if problem not in bank:  # add-once, never replaced; one passing rollout at random
-                bank[problem] = candidates[problem][int(rng.integers(len(candidates[problem])))]
-        critic_fifo.extend(records)
-
-        # 9. Advantages A_i = v_i - mean_j v_j per group (no std), on the whole batch before the split;
-        #    group-size-one: A = v - V(s). Refill rows are not trained on.
-        train_rows_list = []  # (group, row index, advantage, weight)
+        clock.lap("critic")
+        # 5. Judge every row the critic did not score; a judge that fails most calls step after step stops the run
+        calls = judge_groups(groups, train, args, judge)
+        judge_streak = watch_judge(calls, judge_streak, step, args.judge_max_invalid_steps, master, partial(
+            save, step - 1, model, tok, actor_opt, critic_opt, run_name, buffer, tracker, bank, fifo, ladder,
+            k_entropy, counters, args))
+        lane_tokens = count_rollouts(groups, counters)
+        # 6. Endpoint values v_i; an invalid critic value -> the group's valid mean, no actor loss
         for g in groups:
-            if g.lane == "refill":
-                continue
-            base = g.probe if g.lane == "single" else float(np.mean(g.values))
-            for ri, c in enumerate(g.rows):
-                if c.token_ids:
-                    train_rows_list.append((g, ri, g.values[ri] - (base or 0.0), g.weights[ri]))
-
-        # 10a. Old log-probs (trainer, logits / T) for trained rows; entropy over empty-prefix rows (Eq. 9). Each
-        #      process does the rows it trains (all of them with one process; row i: rank i % world under torchrun)
-        t0 = time.time()
-        # refill rows go through this pass for their entropy only
-        all_rows = [(g, ri) for g, ri, _, _ in train_rows_list]
-        all_rows += [(g, 0) for g in groups if g.lane == "refill" and g.rows[0].token_ids]
-        seqs = [prompts[g.problem] + g.prefix + g.rows[ri].token_ids for g, ri in all_rows]
-        starts = [len(prompts[g.problem]) + len(g.prefix) for g, ri in all_rows]
-        n_new = [len(g.rows[ri].token_ids) for g, ri in all_rows]
-        old_lp, ent = {}, {}
-        model.eval()
-        peaks.start()
-        with torch.no_grad(), autocast(device):
-            for mb in dist.even(make_micro_batches(dist.mine(range(len(all_rows))), [len(s) for s in seqs],
-                                                   args.micro_batch_tokens)):
-                if not mb:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
-                    dist.idle_pass(model)
-                    continue
-                ids = pad_batch([seqs[i] for i in mb], tok.pad_token_id, device)
-                lp, en = sequence_logprobs(model, ids, [starts[i] for i in mb], [n_new[i] for i in mb],
-                                           args.temperature, args.logprob_chunk_tokens, with_entropy=True)
-                for j, a, b in zip(mb, lp.split([n_new[i] for i in mb]), en.split([n_new[i] for i in mb])):
-                    old_lp[j], ent[j] = a, b
-        peaks.end("old_logprobs")
-        n_train = len(train_rows_list)
-        empty_prefix_ent = [e for j, e in sorted(ent.items()) if not all_rows[j][0].prefix]  # refill, cold, cut at 0
-        mean_entropy = dist.mean_all(torch.cat(empty_prefix_ent or [torch.zeros(0)]).float().cpu(),
-                                     default=args.entropy_target)
-        k_entropy = update_entropy_offset(k_entropy, mean_entropy, args)  # once per step, before the update
-        clip_high = args.clip_high + k_entropy
-        mine = [j for j in sorted(old_lp) if j < n_train]
-        vllm_lp = torch.tensor([x for j in mine for x in all_rows[j][0].rows[all_rows[j][1]].logprobs])
-        log_ratio = torch.cat([old_lp[j] for j in mine] or [torch.zeros(0)]).float().cpu() - vllm_lp
-
-        # 10b. Critic rows: up to critic_sample records from a random permutation of the FIFO, skipping
-        #      overflow; a record with a reference (its own, else the bank's current one) gives two rows at 1/2
-        def context(rec, ref):
-            return critic_context(prompts[rec["problem"]], rec["prefix"], ref, tok, args)
-
-        chosen, n_records = select_critic_rows(
-            list(critic_fifo), rng.permutation(len(critic_fifo)).tolist(), bank, args.critic_sample,
-            fits=lambda rec, ref: len(context(rec, ref)) + len(critic_target(rec["target"], tok)) <= max_len)
-        critic_rows = []  # (context + target token ids, context length, target length, weight)
-        for rec, ref, w in chosen:
-            ctx, target = context(rec, ref), critic_target(rec["target"], tok)
-            critic_rows.append((ctx + target, len(ctx), len(target), w))
-
-        def critic_step(critic_rows, n_records: int, critic_lr: float) -> tuple[float, float | None]:
-            """One AdamW step on the NLL of the value tokens + end-of-turn, weight w/4 per token, / records."""
-            if not critic_rows:
-                return float("nan"), None
-            for group_ in critic_opt.param_groups:
-                group_["lr"] = critic_lr
-            critic_opt.zero_grad(set_to_none=True)
-            peaks.start()
-            total = 0.0
-            for micro in dist.even(make_micro_batches(dist.mine(range(len(critic_rows))),
-                                                      [len(r[0]) for r in critic_rows], args.micro_batch_tokens)):
-                if not micro:
-                    dist.idle_pass(model)
-                    continue
-                ids = pad_batch([critic_rows[i][0] for i in micro], tok.pad_token_id, device)
-                with autocast(device):
-                    lp, _ = sequence_logprobs(model, ids, [critic_rows[i][1] for i in micro],
-                                              [critic_rows[i][2] for i in micro], 1.0, args.logprob_chunk_tokens)
-                w = torch.cat([torch.full((critic_rows[i][2],), critic_rows[i][3] / 4) for i in micro]).to(device)
-                loss = -(lp * w).sum() / n_records
-                loss.backward()
-                total += float(loss.detach())
-            total = dist.sum_all(total)  # each rank summed its own rows
-            before = snapshot(model)
-            grad_norm = dist.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.critic_max_grad_norm))
-            if not (math.isfinite(total) and torch.isfinite(grad_norm)):  # skip a non-finite step; the ladder
-                return total, math.inf  # counts it as a step over the threshold (released code)
-            dist.step(critic_opt, device, offload=True)  # its state visits the GPU for this step only
-            peaks.end("critic_step")
-            return total, displacement(model, before)
-
-        # 10c. Actor minibatch 1 -> one critic step -> actor minibatch 2 (shared weights, separate AdamW)
-        model.train()
-        stats = {"policy_loss": 0.0, "clipfrac": 0.0, "clipfrac_dual": 0.0, "approx_kl": 0.0}
-        d_actor, grad_norms, critic_loss, d_critic = [], [], float("nan"), None
-        n_tok = sum(n_new[:n_train])
-        for m in range(args.num_minibatches):
-            if m == 1:
-                critic_loss, d_critic = critic_step(critic_rows, n_records, critic_lr)
-            mb = [i for i in range(m * n_train // args.num_minibatches, (m + 1) * n_train // args.num_minibatches)
-                  if train_rows_list[i][3] > 0]  # zero-weight rows (invalid critic value) carry no loss
-            if not mb:
-                d_actor.append(0.0)
-                continue
-            denom = sum(n_new[i] for i in mb)  # token mean over each minibatch
-            actor_opt.zero_grad(set_to_none=True)
-            peaks.start()
-            for micro in dist.even(make_micro_batches(dist.mine(mb), [len(s) for s in seqs], args.micro_batch_tokens)):
-                if not micro:
-                    dist.idle_pass(model)
-                    continue
-                ids = pad_batch([seqs[i] for i in micro], tok.pad_token_id, device)
-                with autocast(device):
-                    lp, _ = sequence_logprobs(model, ids, [starts[i] for i in micro], [n_new[i] for i in micro],
-                                              args.temperature, args.logprob_chunk_tokens)
-                adv = torch.cat([torch.full((n_new[i],), train_rows_list[i][2]) for i in micro]).to(device)
-                tok_loss, st = ppo_loss(lp, torch.cat([old_lp[i] for i in micro]), adv, args.clip_low, clip_high,
-                                        args.dual_clip)
-                loss = tok_loss.sum() / denom
-                loss.backward()
-                stats["policy_loss"] += float(loss.detach()) / args.num_minibatches
-                for key, val in st.items():
-                    stats[key] += float(val.detach().float().sum()) / max(n_tok, 1)
-            peaks.end("backward")
-            before = snapshot(model)
-            grad_norm = dist.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-            if torch.isfinite(grad_norm):
-                peaks.start()
-                dist.step(actor_opt, device, args.offload_optimizer)
-                peaks.end("optimizer_step")
-            grad_norms.append(float(grad_norm))
-            d_actor.append(displacement(model, before))
-        if args.num_minibatches == 1:
-            critic_loss, d_critic = critic_step(critic_rows, n_records, critic_lr)
-        model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
-        stats = {k: dist.sum_all(v) for k, v in stats.items()}  # each rank summed its own rows
-        # the learning-rate ladder: rho = ||d_critic|| / (||d_ppo1|| + ||d_ppo2||)
-        rho = ladder_ratio(d_critic, d_actor)
-        critic_lr, ladder_streak = critic_ladder(critic_lr, ladder_streak, rho, args)
-        t_train = time.time() - t0
-
+            endpoint_values(g)
+        clock.lap("score")
+        # 7. Buffer: the refills' rollouts enter the FIFO
+        admit_to_buffer(buffer, groups, refresh, args)
+        # 8. Readiness (the bank as it was before this step), the reference bank, critic records
+        probes, newly_ready, critic_logs = critic_bookkeeping(groups, tracker, bank, fifo, args, rng)
+        # 9. Advantages A_i = v_i - mean_j v_j per group (lambda = 0 on ready problems, 1 elsewhere)
+        actor, refills = actor_rows(groups), refill_rows(groups)
+        # 10. Old log-probs; Eq. 9 on empty-prefix rows; actor minibatch 1 -> one critic step -> actor minibatch 2
+        old_logprobs(model, actor + refills, args.temperature, args, peaks)
+        entropy = empty_prefix_entropy(actor + refills, args)
+        k_entropy = update_entropy_offset(k_entropy, entropy, args)  # once per step, before the update
+        critic, n_records = critic_rows(fifo, bank, train, tok, args, rng, max_len)
+        losses = train_actor_and_critic(model, actor_opt, critic_opt, actor, critic, n_records,
+                                        args.clip_high + k_entropy, ladder, args, peaks)
+        clock.lap("train")
         # 11. Sync, log, evaluate, checkpoint
-        t0 = time.time()
-        peaks.start()
-        engine.wake_up(llm, model)
-        peaks.end("wake_up")
-        t_sync = time.time() - t0
-        judged_rewards = [(p or 0) / 7 for p, _ in judged]
-        step_errors = [p.error for p in probes if p.error is not None]
-        scalars = {
-            "charts/decoding_flops": total_flops, "charts/generated_tokens": total_tokens,
-            "charts/step_time": time.time() - t_step, "train/reward_mean": float(np.mean(judged_rewards or [0.0])),
-            "ac2/value_mean": float(np.mean([v for g in groups if g.lane != "refill" for v in g.values] or [0.0])),
-            "losses/policy_loss": stats["policy_loss"], "losses/clipfrac": stats["clipfrac"],
-            "losses/clipfrac_dual": stats["clipfrac_dual"], "losses/approx_kl": stats["approx_kl"],
-            "losses/entropy": mean_entropy, "losses/grad_norm": sum(grad_norms) / args.num_minibatches,
-            "sampling/mismatch_kl": dist.mean_all(torch.exp(log_ratio) - 1 - log_ratio),
-            "time/generate": t_generate, "time/critic": t_critic, "time/score": t_score, "time/train": t_train,
-            "time/sync": t_sync,
-            "ac2/eps_high": clip_high, "ac2/global_mae": tracker.global_mae() or float("nan"),
-            "ac2/gate_open": float(tracker.gate_open()), "ac2/probe_mae": float(np.mean(step_errors or [np.nan])),
-            "ac2/ready_problems": len(tracker.ready) if not tracker.all_ready else len(train_rows),
-            "ac2/newly_ready": len(newly_ready), "ac2/bank_size": len(bank), "ac2/buffer_size": len(buffer),
-            "ac2/critic_fifo": len(critic_fifo), "ac2/critic_records": n_records, "ac2/critic_loss": critic_loss,
-            "ac2/critic_lr": critic_lr, "ac2/critic_rho": rho if rho is not None else float("nan"),
-            "ac2/consumed_rows": sum(sum(g.consumed) for g in groups),
-            "ac2/judged_rows": len(to_judge), "ac2/invalid_judge": sum(not ok for _, ok in judged),
-            "ac2/invalid_critic": sum(1 for v in critic_values.values() if v is None),
-            "ac2/audit_critic_error": float(np.mean(audit_err or [np.nan])),
-            "ac2/critic_mae_with_ref": float(np.mean(mae_ref or [np.nan])),
-            "ac2/critic_mae_without_ref": float(np.mean(mae_noref or [np.nan])),
-        }
-        for lane in ("refill", "cold", "full", "short", "audit", "single"):
-            scalars[f"ac2/tokens_{lane}"] = lane_tokens[lane]
-        scalars["ac2/new_tokens_per_sample"] = sum(lane_tokens.values()) / max(1, sum(len(g.rows) for g in groups))
-        scalars.update(peaks.pop())
+        wake_up(llm, model, peaks)
+        clock.lap("sync")
+        scalars = {**counters.scalars(), **logged, **losses, "losses/entropy": entropy, "ac2/eps_high":
+                   args.clip_high + k_entropy, **step_scalars(groups, lane_tokens, probes, newly_ready, tracker, bank,
+                                                              buffer, fifo, n_records, len(train.rows), args),
+                   **critic_logs, **sampler_gap(actor), **clock.scalars(), **peaks.pop()}
+        log_step(writer, step, scalars, [f"**{g.lane}, v={g.values[0]:.2f}**\n```\n{g.texts[0][-1500:]}\n```"
+                                         for g in groups if g.samples][:4], args)
+        if evaluating(step, args.num_steps, args):
+            last_eval = evaluate(step, llm, tok, held_out, train_eval, score, args, writer)
         if master:
-            for key, value in scalars.items():
-                writer.add_scalar(key, value, step)
-            if args.log_completions_every and step % args.log_completions_every == 0:
-                shown = [f"**{g.lane}, v={g.values[0]:.2f}**\n```\n{texts[(gi, 0)][-1500:]}\n```"
-                         for gi, g in enumerate(groups) if g.rows][:4]
-                writer.add_text("samples/completions", "\n\n".join(shown), step)
-        if args.eval_every and (step % args.eval_every == 0 or step == args.num_steps):
-            last_eval = evaluate(step)
-        if master:
-            print(f"step {step}/{args.num_steps} | reward {scalars['train/reward_mean']:.3f} | eval {last_eval:.3f} | "
-                  f"ready {scalars['ac2/ready_problems']} gate {int(tracker.gate_open())} mae "
-                  f"{scalars['ac2/global_mae']:.3f} | consumed {scalars['ac2/consumed_rows']} | tokens "
-                  f"{sum(lane_tokens.values())} | gen {t_generate:.1f}s critic {t_critic:.1f}s train {t_train:.1f}s",
-                  flush=True)
-        if args.save_every and (step % args.save_every == 0 or step == args.num_steps):
-            path = save(step, total_flops, total_tokens)
-            if master:
-                print(f"saved {path}")
-    if master:
+            print(progress_line(step, scalars, last_eval, tracker, clock, args), flush=True)
+        if saving(step, args.num_steps, args):
+            save(step, model, tok, actor_opt, critic_opt, run_name, buffer, tracker, bank, fifo, ladder, k_entropy,
+                 counters, args)
+
+    if writer is not None:
         writer.close()
     return {"run_name": run_name, "eval/mean_score": last_eval}
 

@@ -1,4 +1,4 @@
-"""CCR: Concurrent Constraint Reinforcement (Yang et al., arXiv 2610.22887; spec/ccr.md).
+"""CCR: Concurrent Constraint Reinforcement (Yang et al., arXiv 2610.22887; docs/ccr.md).
 
 N independently verifiable problems share one prompt and one short completion cap B. The policy answers
 them in order, one `Answer k: \\boxed{..}` line each. Answers completed before the cap keep their credit
@@ -17,12 +17,14 @@ open are marked "project choice" and are flags.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import random
 import re
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +34,7 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
-from common import dist, engine
+from common import engine, parallel
 from common.data import load_rows
 from common.judges import AnswerVerifier, after_thinking, extract_boxed, extract_final_answer
 from common.tiny import (
@@ -44,7 +46,7 @@ from common.tiny import (
     tiny_reward,
 )
 
-PACK_TEMPLATE = (  # spec/ccr.md "Prompt and answer recovery" (project choice)
+PACK_TEMPLATE = (  # project choice: docs/ccr.md, "Answer recovery"
     "You will be given {n} problems. Solve them in order in a single response. Your whole response, reasoning "
     "included, is limited to {budget} tokens shared across all problems. After solving problem k, write a line "
     '"Answer k: \\boxed{{<final answer>}}" before starting problem k+1.\n\n{problems}'
@@ -212,11 +214,11 @@ def tiny_args() -> Args:
     )
 
 
-# ----------------------------------------------------------------------------------------------------
-# CCR's rules
-# ----------------------------------------------------------------------------------------------------
+# ====================================================================================================
+# ALGO LOGIC: CCR's rules, its loss and the stages of its step (what a fork changes)
+# ====================================================================================================
 def parse_packed_answers(text: str, n: int) -> list[str | None]:
-    """The N answers of a packed completion, in order (spec/ccr.md "Prompt and answer recovery").
+    """The N answers of a packed completion, in order (docs/ccr.md, "Answer recovery").
 
     Only the answer section is parsed: the text after the last `</think>` when there is one, else the whole
     completion (a truncated one still thinking) -- thinking models restate the required format while they
@@ -275,22 +277,305 @@ def make_packs(difficulties: list[float], n: int, epoch: int, seed: int) -> list
     return packs
 
 
-# ----------------------------------------------------------------------------------------------------
-# Shared machinery, as in grpo.py (repeated on purpose: each script reads on its own)
-# ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class PackSchedule:
+    """This epoch's packs (re-drawn every epoch, seeded) and which epoch they belong to."""
+
+    difficulties: list[float]
+    pack_size: int
+    seed: int
+    packs: list[list[int]] = dataclasses.field(default_factory=list)
+    epoch: int = 0
+
+    def __post_init__(self):
+        self.packs = make_packs(self.difficulties, self.pack_size, 0, self.seed)
+
+    def batch(self, step: int, packs_per_step: int) -> list[list[int]]:
+        """Step `step`'s packs (1-based); a new epoch draws new packs."""
+        epoch, index = divmod(step - 1, self.steps_per_epoch(packs_per_step))
+        if epoch != self.epoch:
+            self.packs, self.epoch = make_packs(self.difficulties, self.pack_size, epoch, self.seed), epoch
+        return self.packs[index * packs_per_step : (index + 1) * packs_per_step]
+
+    def steps_per_epoch(self, packs_per_step: int) -> int:
+        return math.ceil(len(self.difficulties) // self.pack_size / packs_per_step)
+
+    def state_dict(self) -> dict:
+        return {"packs": self.packs, "packs_epoch": self.epoch}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.packs, self.epoch = s["packs"], s["packs_epoch"]
+
+
+def pack_prompt(tok, problems: list[str], args: Args) -> list[int]:
+    """N problems in one user message under the shared cap B (the pack template: a project choice)."""
+    listed = args.problem_separator.join(args.problem_format.format(k=k, problem=q) for k, q in enumerate(problems, 1))
+    return encode_chat(tok, args.pack_template.format(n=len(problems), budget=args.budget, problems=listed))
+
+
+def verify_answers(golds: list[str], answers: list[str | None], tiny: bool, verifier) -> list[float]:
+    """X_k per problem: math-verify (gold first), or the tiny task's exact comparison of the boxed contents."""
+    if tiny:
+        return [float(a is not None and a.strip() == g) for g, a in zip(golds, answers)]
+    return verifier.verify(golds, answers)
+
+
+def score_packs(texts: list[str], packs: list[list[dict]], field: str, tiny: bool, args: Args, verifier):
+    """(R, r_acc, r_fmt, N_eff) per completion: answers completed before the cap keep their credit, truncated
+    or not; N_eff = the answers completed, in order."""
+    parsed = [parse_packed_answers(t, len(p)) for t, p in zip(texts, packs)]
+    flat = [(str(r[field]), a) for p, ans in zip(packs, parsed) for r, a in zip(p, ans)]
+    xs = iter(verify_answers([g for g, _ in flat], [a for _, a in flat], tiny, verifier))
+    out = []
+    for p, ans in zip(packs, parsed):
+        x = [next(xs) for _ in p]
+        n_eff = next((k for k, a in enumerate(ans) if a is None), len(ans))
+        out.append((*packed_reward(x, n_eff, len(p), args.w_acc, args.w_fmt), n_eff))
+    return out
+
+
+def eval_scores(texts: list[str], rows: list[dict], held_out: bool, args: Args, verifier):
+    """Single-problem scores in the ordinary answer format (the policy must still solve one problem at a time)."""
+    if held_out:
+        if args.eval_dataset == "tiny":
+            return [tiny_reward(t, r["answer"]) for t, r in zip(texts, rows)], {}
+        return verifier.verify([str(r[args.eval_answer_field]) for r in rows],
+                               [extract_final_answer(t) for t in texts]), {}
+    return verify_answers([str(r[args.answer_field]) for r in rows], [extract_final_answer(t) for t in texts],
+                          args.dataset == "tiny", verifier), {}
+
+
+def packed_evaluation(llm, tok, rows: list[dict], args: Args, verifier) -> dict[str, float]:
+    """Packs of each --packed-eval-sizes under the training cap B: r_acc and N_eff by pack size."""
+    from vllm import SamplingParams
+
+    logged = {}
+    for n in args.packed_eval_sizes:
+        packs = [rows[i : i + n] for i in range(0, len(rows) - n + 1, n)]
+        prompts = [pack_prompt(tok, [r[args.eval_problem_field] for r in p], args) for p in packs]
+        outs = engine.generate(llm, prompts, progress=f"evaluation: packs of {n}", params=[SamplingParams(
+            n=1, temperature=args.eval_temperature, top_p=args.eval_top_p, top_k=args.eval_top_k,
+            max_tokens=args.budget, seed=request_seed(args.seed, -3, n, i)) for i in range(len(prompts))])
+        scored = score_packs([tok.decode(o[0].token_ids, skip_special_tokens=True) for o in outs], packs,
+                             args.eval_answer_field, args.eval_dataset == "tiny", args, verifier)
+        logged[f"eval/packed_r_acc_n{n}"] = float(np.mean([s[1] for s in scored]))
+        logged[f"eval/packed_n_eff_n{n}"] = float(np.mean([s[3] for s in scored]))
+    return logged
+
+
+def sample_packs(llm, prompts: list[list[int]], step: int, args: Args, peaks) -> list[Sample]:
+    """S completions of each packed prompt under the one shared cap B, group-major."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                             max_tokens=args.budget, logprobs=0, seed=request_seed(args.seed, step, j))
+              for j in range(len(prompts))]
+    peaks.start()
+    groups = engine.generate(llm, prompts, params)
+    peaks.end("rollout")
+    return [Sample(j, prompt, c) for j, (prompt, group) in enumerate(zip(prompts, groups)) for c in group]
+
+
+def ppo_loss(logp, old_logp, adv, clip_low: float, clip_high: float):
+    """Per-token PPO loss -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = exp(logp - old_logp), plus which clip
+    was active."""
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
+    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))
+    stats = {"clip_low": (adv < 0) & (ratio < 1 - clip_low), "clip_high": (adv > 0) & (ratio > 1 + clip_high),
+             "approx_kl": (ratio - 1) - torch.log(ratio)}  # k3 estimate of KL(old || new)
+    return loss, stats
+
+
+def training_rows(samples: list[Sample], advantages: torch.Tensor) -> list[TrainRow]:
+    """Every completion's tokens carry its advantage, a truncated one's too; the prompt gets no loss."""
+    return [TrainRow(s.context + s.completion.token_ids, len(s.context), len(s.completion.token_ids), float(a),
+                     sampled=s.completion.logprobs) for s, a in zip(samples, advantages)]
+
+
+def micro_batch_loss(rows: list[TrainRow], logp, minibatch: list[TrainRow], args: Args):
+    """A micro-batch's share of its minibatch's loss: the clipped surrogate, token-level mean over the minibatch
+    (long truncated completions are not down-weighted per token), beta = 0; and the counts its statistics need."""
+    denom = sum(r.n for r in minibatch)
+    adv = torch.cat([torch.full((r.n,), r.advantage) for r in rows]).to(logp.device)
+    tok_loss, st = ppo_loss(logp, torch.cat([r.old_logp for r in rows]), adv, args.clip_low, args.clip_high)
+    return tok_loss.sum() / denom, {key: float(v.detach().float().sum()) for key, v in st.items()}
+
+
+STATS = ("clip_low", "clip_high", "approx_kl")  # what `micro_batch_loss` counts
+
+
+def step_scalars(scored, samples: list[Sample], rewards: torch.Tensor, args: Args) -> dict[str, float]:
+    """CCR's own logged quantities of one step."""
+    new_tokens = [len(s.completion.token_ids) for s in samples]
+    truncated = [s.completion.truncated for s in samples]
+    n_eff = [s[3] for s in scored]
+    scalars = {
+        "charts/learning_rate": args.learning_rate, "train/reward_mean": float(rewards.mean()),
+        "ccr/tokens_per_step": sum(new_tokens), "ccr/r_acc": float(np.mean([s[1] for s in scored])),
+        "ccr/r_fmt": float(np.mean([s[2] for s in scored])), "ccr/n_eff_mean": float(np.mean(n_eff)),
+        "ccr/truncated_frac": float(np.mean(truncated)), "ccr/completion_len_mean": float(np.mean(new_tokens)),
+        "ccr/truncated_rewarded_frac": float(np.mean([s[1] > 0 for s, t in zip(scored, truncated) if t] or [0.0])),
+        "ccr/zero_std_frac": float((rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean())
+        if args.group_size > 1 else 1.0,
+    }
+    for k in range(args.pack_size + 1):
+        scalars[f"ccr/n_eff_frac_{k}"] = float(np.mean([e == k for e in n_eff]))
+    return scalars
+
+
+def progress_line(step: int, last_step: int, scalars: dict, last_eval: float, clock: Clock) -> str:
+    t = clock.times
+    return (f"step {step}/{last_step} | R {scalars['train/reward_mean']:.3f} r_acc {scalars['ccr/r_acc']:.3f} | N_eff "
+            f"{scalars['ccr/n_eff_mean']:.2f} | truncated {scalars['ccr/truncated_frac']:.2f} | tokens "
+            f"{scalars['ccr/tokens_per_step']} | eval {last_eval:.3f} | gen {t['time/generate']:.1f}s train "
+            f"{t['time/train']:.1f}s")
+
+
+def save(step: int, model, tok, optimizer, run_name: str, schedule: PackSchedule, counters: Counters,
+         args: Args) -> Path:
+    """A checkpoint of everything the run carries, as of the end of step `step`."""
+    state = {"run_name": run_name, **schedule.state_dict(), **counters.state_dict()}
+    return parallel.save_checkpoint(Path(args.checkpoint_dir) / run_name, step, model, tok, {"optimizer": optimizer},
+                                    state, args.keep_checkpoints)
+
+
+def training_problems(args: Args) -> tuple[list[dict], list[float]]:
+    """The training problems (the paper's 3,000-problem subset, seeded) and their numeric difficulties."""
+    rows = load_rows(args.dataset, args.dataset_split, [args.problem_field, args.answer_field, args.difficulty_field],
+                     args.train_limit)
+    if args.subset_size and args.subset_size < len(rows):
+        keep = np.random.default_rng([args.seed, 7]).choice(len(rows), args.subset_size, replace=False)
+        rows = [rows[i] for i in sorted(keep.tolist())]
+    for i, r in enumerate(rows):
+        try:
+            float(r[args.difficulty_field])
+        except (TypeError, ValueError):
+            raise SystemExit(f"dataset {args.dataset!r}: row {i} has a non-numeric {args.difficulty_field!r}: "
+                             f"{r[args.difficulty_field]!r}.") from None
+    if len(rows) < args.pack_size:
+        raise SystemExit(f"dataset {args.dataset!r} has {len(rows)} problems, fewer than --pack-size {args.pack_size}.")
+    return rows, [float(r[args.difficulty_field]) for r in rows]
+
+
+# ====================================================================================================
+# TRY NOT TO MODIFY: the PPO update. Identical in grpo.py, rpo.py and ccr.py (tests/test_shared_blocks.py; ac2.py
+# puts its critic step between two minibatches, so it calls `train_minibatch` itself)
+# ====================================================================================================
+def ppo_update(model, optimizer, rows: list[TrainRow], micro_batch_loss, stats: tuple[str, ...], args,
+               peaks) -> dict[str, float]:
+    """One epoch over the rows in --num-minibatches consecutive minibatches (no shuffle), one optimizer step each,
+    around the script's own loss: `micro_batch_loss(rows, logp, minibatch)` is one micro-batch's share of its
+    minibatch's loss, with the counts of `stats` (the losses/* keys). Loss denominators count the whole minibatch,
+    so each rank's share adds up to the one-process loss."""
+    model.train()
+    totals, grad_norms, skipped = collections.Counter(), [], 0
+    for mb in minibatches(rows, args.num_minibatches):
+        if not mb:
+            continue
+        loss = partial(micro_batch_loss, minibatch=[rows[i] for i in mb])
+        result = train_minibatch(model, optimizer, rows, mb, loss, args.temperature, args.max_grad_norm, args, peaks,
+                                 args.offload_optimizer)
+        totals.update(result.sums)
+        totals["policy_loss"] += result.loss / args.num_minibatches
+        grad_norms.append(result.grad_norm)
+        skipped += not result.stepped
+    model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
+    return update_scalars(totals, grad_norms, skipped, rows, stats)
+# ----------------------------------------------------------------------------------------------- end: the PPO update
+
+
+# ====================================================================================================
+# TRY NOT TO MODIFY: the shared machinery. Identical in grpo.py, ac2.py, rpo.py and ccr.py
+# (tests/test_shared_blocks.py): sampling records, log-probabilities, the update around each script's own
+# loss, evaluation, set-up, logging.
+# ====================================================================================================
+@dataclasses.dataclass
+class Problems:
+    """A set of problems: the data set's rows and their tokenized prompts."""
+
+    rows: list[dict]
+    prompts: list[list[int]]
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sampled continuation of a prompt (+ prefix): which problem, the tokens before it, what was sampled."""
+
+    problem: int  # its index among the training problems (CCR: the pack's, in this step's batch)
+    context: list[int]  # prompt (+ replayed prefix) token ids
+    completion: engine.Completion
+
+
+@dataclasses.dataclass
+class TrainRow:
+    """One sequence the trainer scores: loss on the n tokens of `ids` from position `start` on.
+
+    `sampled`: the engine's sampling log-probabilities of the tokens it drew this step, the last len(sampled)
+    loss tokens (the sampler / trainer gap is measured on them). `weight`: the row's weight in its loss; 0 leaves
+    it out of the update (its tokens still count in the update's statistics). The old log-probabilities, the
+    entropies and the reference's log-probabilities are filled in by `old_logprobs`, on the rank that trains it.
+    """
+
+    ids: list[int]
+    start: int
+    n: int
+    advantage: float = 0.0
+    weight: float = 1.0
+    sampled: list[float] = dataclasses.field(default_factory=list)
+    prefix_len: int = 0  # tokens of a replayed prefix after the prompt (AC2, RPO); 0: a response to the prompt alone
+    old_logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Counters:
+    """The cumulative counts every script logs and checkpoints (charts/decoding_flops, charts/generated_tokens)."""
+
+    flops_A: int
+    flops_B: int
+    decoding_flops: int = 0
+    generated_tokens: int = 0
+
+    def add(self, context_len: int, new_tokens: int) -> None:
+        """One policy rollout of `new_tokens` after `context_len` tokens (AC2 paper, Eq. 6)."""
+        self.decoding_flops += engine.decoding_flops(self.flops_A, self.flops_B, context_len, new_tokens)
+        self.generated_tokens += new_tokens
+
+    def add_samples(self, samples: list[Sample]) -> None:
+        for s in samples:
+            self.add(len(s.context), len(s.completion.token_ids))
+
+    def scalars(self) -> dict[str, int]:
+        return {"charts/decoding_flops": self.decoding_flops, "charts/generated_tokens": self.generated_tokens}
+
+    def state_dict(self) -> dict:
+        return {"decoding_flops": self.decoding_flops, "generated_tokens": self.generated_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decoding_flops, self.generated_tokens = state["decoding_flops"], state["generated_tokens"]
+
+
 def request_seed(*keys: int) -> int:
+    """A sampling seed per (run seed, step, request): resumed runs sample exactly what straight runs did."""
     return int(np.random.SeedSequence([abs(k) for k in keys]).generate_state(1)[0] >> 1)
 
 
-def encode_chat(tokenizer, user: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+def encode_chat(tokenizer, message: str) -> list[int]:
+    """A chat-templated user turn + the generation prompt (for thinking models it opens `<think>`)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _chunk_logprobs(hidden, targets, weight, bias, temperature: float):
-    logits = F.linear(hidden, weight, bias).float() / temperature
-    return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+def _chunk_logprobs(hidden, targets, weight, bias, temperature: float, with_entropy: bool):
+    logits = F.linear(hidden, weight, bias).float() / temperature  # [chunk, vocab], never [tokens, vocab]
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None])[:, 0] - logz
+    if not with_entropy:
+        return logp, None
+    entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
 
 
 def final_hidden_states(model, input_ids):
@@ -305,30 +590,31 @@ def final_hidden_states(model, input_ids):
     return out["h"]
 
 
-def sequence_logprobs(model, input_ids, starts, lengths, temperature: float, chunk: int):
-    """Log-probs of input_ids[b, starts[b] : starts[b] + lengths[b]], LM head in checkpointed chunks."""
+def sequence_logprobs(model, input_ids, starts, lengths, temperature: float, chunk: int, with_entropy=False):
+    """Log-probabilities (and entropies) of tokens input_ids[b, starts[b] : starts[b]+lengths[b]].
+
+    Right-padded batch, plain positions 0..n-1 as vLLM saw them. Only the hidden states of the needed
+    positions go through the LM head, `chunk` positions at a time; with gradients on, each chunk is
+    checkpointed so its logits are recomputed in the backward pass instead of kept.
+    Returns flat tensors over the selected tokens, in batch order.
+    """
     hidden = final_hidden_states(model, input_ids)
     rows = torch.cat([torch.full((n,), b, dtype=torch.long) for b, n in enumerate(lengths)]).to(input_ids.device)
     cols = torch.cat([torch.arange(s - 1, s - 1 + n) for s, n in zip(starts, lengths)]).to(input_ids.device)
-    h, targets = hidden[rows, cols], input_ids[rows, cols + 1]
+    h, targets = hidden[rows, cols], input_ids[rows, cols + 1]  # position t predicts token t+1
     head = model.get_output_embeddings()
-    out = []
+    logps, ents = [], []
     for i in range(0, h.shape[0], chunk):
-        fn_args = (h[i : i + chunk], targets[i : i + chunk], head.weight, head.bias, temperature)
-        out.append(checkpoint(_chunk_logprobs, *fn_args, use_reentrant=False) if torch.is_grad_enabled()
-                   else _chunk_logprobs(*fn_args))
-    return torch.cat(out)
-
-
-def clipped_surrogate(logp, old_logp, adv, clip_low: float, clip_high: float):
-    """Per-token PPO loss -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = exp(logp - old_logp)."""
-    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
-    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))
-    clipped = ((adv < 0) & (ratio < 1 - clip_low)) | ((adv > 0) & (ratio > 1 + clip_high))
-    return loss, clipped, (ratio - 1) - torch.log(ratio)
+        fn_args = (h[i : i + chunk], targets[i : i + chunk], head.weight, head.bias, temperature, with_entropy)
+        lp, ent = checkpoint(_chunk_logprobs, *fn_args, use_reentrant=False) if torch.is_grad_enabled() \
+            else _chunk_logprobs(*fn_args)
+        logps.append(lp)
+        ents.append(ent)
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
 def make_micro_batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Greedy packing, longest first, so that (rows x longest row) <= budget tokens (one row may exceed it)."""
     order = sorted(indices, key=lambda i: -lengths[i])
     batches, current = [], []
     for i in order:
@@ -339,8 +625,9 @@ def make_micro_batches(indices: list[int], lengths: list[int], budget: int) -> l
     return batches + ([current] if current else [])
 
 
-def pad_batch(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
-    out = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
+def pad_batch(seqs: list[list[int]], device) -> torch.Tensor:
+    """Right-padded token ids: causal attention never lets a real token see the pads after it, so any id does."""
+    out = torch.zeros((len(seqs), max(map(len, seqs))), dtype=torch.long)
     for i, s in enumerate(seqs):
         out[i, : len(s)] = torch.tensor(s)
     return out.to(device)
@@ -352,41 +639,185 @@ def autocast(device):
     return torch.autocast("cpu", enabled=False)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------------------
-def main(args: Args) -> dict:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def old_logprobs(model, rows: list[TrainRow], temperature: float, args, peaks, ref_model=None) -> None:
+    """The trainer's log-probabilities (logits / T) and entropies of every row's loss tokens before the update --
+    and the frozen reference's, with `ref_model` -- for the rows this rank trains (all of them in one process;
+    row i: rank i % world under torchrun). The ratio's denominator is recomputed, not the engine's."""
+    device = next(model.parameters()).device
+    model.eval()
+    peaks.start()
+    with torch.no_grad(), autocast(device):
+        for micro in parallel.even(make_micro_batches(parallel.mine(range(len(rows))), [len(r.ids) for r in rows],
+                                                      args.micro_batch_tokens)):
+            if not micro:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
+                parallel.idle_pass(model)
+                if ref_model is not None:
+                    parallel.idle_pass(ref_model)
+                continue
+            batch = [rows[i] for i in micro]
+            ids, starts, ns = pad_batch([r.ids for r in batch], device), [r.start for r in batch], [r.n for r in batch]
+            lp, ent = sequence_logprobs(model, ids, starts, ns, temperature, args.logprob_chunk_tokens,
+                                        with_entropy=True)
+            ref = sequence_logprobs(ref_model, ids, starts, ns, temperature, args.logprob_chunk_tokens)[0] \
+                if ref_model is not None else None
+            for r, a, b, c in zip(batch, lp.split(ns), ent.split(ns), ref.split(ns) if ref is not None else ns):
+                r.old_logp, r.entropy, r.ref_logp = a, b, (c if ref is not None else None)
+    peaks.end("old_logprobs")
+
+
+def sampled_tokens(rows: list[TrainRow], field: str = "old_logp") -> torch.Tensor:
+    """This rank's rows' `old_logp` or `entropy` on the tokens the engine sampled, on the CPU, in row order."""
+    mine = [r for r in rows if r.old_logp is not None]
+    return torch.cat([getattr(r, field)[r.n - len(r.sampled):] for r in mine] or [torch.zeros(0)]).float().cpu()
+
+
+def sampled_entropy(rows: list[TrainRow]) -> float:
+    """The mean token entropy (at the sampling temperature, before the update) over the tokens the engine sampled,
+    all ranks together."""
+    return parallel.mean_all(sampled_tokens(rows, "entropy"))
+
+
+def sampler_gap(rows: list[TrainRow]) -> dict[str, float]:
+    """The engine's sampling log-probabilities against the trainer's old ones on the same tokens, over all ranks:
+    the k3 KL (`sampling/mismatch_kl`) and the largest gap (`sampling/mismatch_max`)."""
+    engine_lp = torch.tensor([x for r in rows if r.old_logp is not None for x in r.sampled])
+    log_ratio = sampled_tokens(rows) - engine_lp
+    return {"sampling/mismatch_kl": parallel.mean_all(torch.exp(log_ratio) - 1 - log_ratio),
+            "sampling/mismatch_max": parallel.max_all(float(log_ratio.abs().max()) if len(log_ratio) else 0.0)}
+
+
+def minibatches(rows: list[TrainRow], num_minibatches: int) -> list[list[int]]:
+    """One epoch in `num_minibatches` consecutive slices of the rows (no shuffle), without the rows that carry no
+    loss (no tokens, or weight 0); a slice may come out empty."""
+    n = len(rows)
+    return [[i for i in range(m * n // num_minibatches, (m + 1) * n // num_minibatches)
+             if rows[i].n > 0 and rows[i].weight > 0] for m in range(num_minibatches)]
+
+
+@dataclasses.dataclass
+class MinibatchResult:
+    loss: float  # the minibatch loss (all ranks)
+    sums: dict[str, float]  # the micro-batch loss's token counts, this rank's rows
+    grad_norm: float
+    stepped: bool  # False: a non-finite loss or gradient, and the step was skipped
+
+
+def train_minibatch(model, optimizer, rows: list[TrainRow], indices: list[int], micro_batch_loss, temperature: float,
+                    max_grad_norm: float, args, peaks, offload: bool,
+                    phases: tuple[str, str] = ("backward", "optimizer_step")) -> MinibatchResult:
+    """One optimizer step on the rows `indices`: this rank's share, in micro-batches of at most
+    --micro-batch-tokens padded tokens whose gradients accumulate; `micro_batch_loss(rows, logp)` is the script's
+    own loss, (this micro-batch's share of the minibatch loss, {name: token count}). Gradients clipped to
+    `max_grad_norm`; a non-finite loss or gradient would poison the weights, so that step is skipped. `phases`
+    name the memory/<phase> logs of the passes and of the optimizer step."""
+    device = next(model.parameters()).device
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, sums = 0.0, collections.Counter()
+    peaks.start()
+    for micro in parallel.even(make_micro_batches(parallel.mine(indices), [len(r.ids) for r in rows],
+                                                  args.micro_batch_tokens)):
+        if not micro:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
+            parallel.idle_pass(model)
+            continue
+        batch = [rows[i] for i in micro]
+        ids = pad_batch([r.ids for r in batch], device)
+        with autocast(device):
+            logp, _ = sequence_logprobs(model, ids, [r.start for r in batch], [r.n for r in batch], temperature,
+                                        args.logprob_chunk_tokens)
+        loss, counts = micro_batch_loss(batch, logp)
+        loss.backward()
+        loss_sum += float(loss.detach())
+        sums.update(counts)
+    peaks.end(phases[0])
+    loss_sum = parallel.sum_all(loss_sum)  # each rank summed its own rows
+    grad_norm = parallel.full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    stepped = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm))
+    if stepped:
+        peaks.start()
+        parallel.optimizer_step(optimizer, device, offload)
+        peaks.end(phases[1])
+    return MinibatchResult(loss_sum, dict(sums), float(grad_norm), stepped)
+
+
+LOSS_KEYS = {"clip_low": "losses/clipfrac_low", "clip_high": "losses/clipfrac_high",
+             "clip_dual": "losses/clipfrac_dual", "approx_kl": "losses/approx_kl", "kl_ref": "losses/kl_ref"}
+
+
+def update_scalars(totals: dict, grad_norms: list[float], skipped: int, rows: list[TrainRow],
+                   stats: tuple[str, ...]) -> dict[str, float]:
+    """The losses/* keys of one update: the policy loss (summed over minibatches by the caller), each count of
+    `stats` as a share of all the rows' loss tokens (all ranks together), losses/clipfrac = low + high, the mean
+    gradient norm before clipping and the steps skipped as non-finite."""
+    n_tok = max(sum(r.n for r in rows), 1)
+    out = {"losses/policy_loss": totals["policy_loss"]}
+    out.update({LOSS_KEYS[k]: parallel.sum_all(totals[k]) / n_tok for k in stats})  # each rank counted its own rows
+    out["losses/clipfrac"] = out["losses/clipfrac_low"] + out["losses/clipfrac_high"]
+    return {**out, "losses/grad_norm": float(np.mean(grad_norms or [0.0])), "losses/skipped_steps": skipped}
+
+
+def sample_for_eval(llm, tok, prompts: list[list[int]], salt: int, label: str, args):
+    """The evaluation sampler on these prompts, the same seeds at every evaluation: (texts, lengths)."""
     from vllm import SamplingParams
 
-    # one process per GPU under torchrun, each holding all of the algorithm's state (common/dist.py)
-    rank, world, device = dist.init()
-    master = rank == 0
-    if master and world > 1:
+    params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
+                             top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
+                             seed=request_seed(args.seed, salt, i)) for i in range(len(prompts))]
+    groups = engine.generate(llm, prompts, params, progress=f"evaluation: {label}")
+    return ([tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g],
+            [len(c.token_ids) for g in groups for c in g])
+
+
+def evaluate(step: int, llm, tok, held_out: Problems, train_sample: Problems, score, args, writer,
+             more=None) -> float:
+    """eval/mean_score on the held-out problems, --eval-samples each; the same sampling on a fixed sample of
+    training problems (eval/train_score: the train / held-out gap); `more()` adds a script's own evaluations.
+    `score(texts, rows, held_out)` is the script's: (a score per text, extra keys)."""
+    t0 = time.time()
+    texts, lengths = sample_for_eval(llm, tok, held_out.prompts, -1, "held-out problems", args)
+    scores, logged = score(texts, [r for r in held_out.rows for _ in range(args.eval_samples)], True)
+    logged = {"eval/mean_score": float(np.mean(scores)), **logged, "eval/response_len_mean": float(np.mean(lengths))}
+    if train_sample.prompts:
+        texts, _ = sample_for_eval(llm, tok, train_sample.prompts, -4, "training problems", args)
+        scores, _ = score(texts, [r for r in train_sample.rows for _ in range(args.eval_samples)], False)
+        logged["eval/train_score"] = float(np.mean(scores))
+    logged.update(more() if more else {})
+    logged["time/eval"] = time.time() - t0
+    log_scalars(writer, logged, step)
+    return logged["eval/mean_score"]
+
+
+def evaluating(step: int, last_step: int, args) -> bool:
+    """Evaluate before training, every --eval-every steps and after the last step."""
+    return bool(args.eval_every) and (step % args.eval_every == 0 or step == last_step)
+
+
+def train_sample(n_problems: int, args) -> list[int]:
+    """The fixed, seeded sample of training problems evaluated like the held-out ones (eval/train_score)."""
+    if not args.eval_every:
+        return []
+    return sorted(random.Random(args.seed).sample(range(n_problems), min(args.train_eval_problems, n_problems)))
+
+
+def start_run(args) -> tuple[int, torch.device, Path | None, dict | None, str]:
+    """Rank, device, the checkpoint to resume (with its state) and the run name; seeds Python, NumPy and torch.
+    One process per GPU under torchrun, each holding all of the algorithm's state (common/parallel.py)."""
+    rank, world, device = parallel.init()
+    if rank == 0 and world > 1:
         print(f"{world} ranks, one {device.type} each", flush=True)
-    resume_dir = dist.find_checkpoint(args.resume) if args.resume else None
-    ckpt = dist.read_state(resume_dir) if resume_dir else None
+    resume_dir = parallel.find_checkpoint(args.resume) if args.resume else None
+    ckpt = parallel.read_state(resume_dir) if resume_dir else None
     run_name = args.run_name or (ckpt["run_name"] if ckpt else f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    run_name = dist.from_rank0(run_name)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
+    return rank, device, resume_dir, ckpt, parallel.from_rank0(run_name)
 
-    fields = [args.problem_field, args.answer_field, args.difficulty_field]
-    rows = load_rows(args.dataset, args.dataset_split, fields, args.train_limit)
-    if args.subset_size and args.subset_size < len(rows):  # the paper's 3,000-problem subset, seeded
-        keep = np.random.default_rng([args.seed, 7]).choice(len(rows), args.subset_size, replace=False)
-        rows = [rows[i] for i in sorted(keep.tolist())]
-    try:
-        difficulties = [float(r[args.difficulty_field]) for r in rows]
-    except (TypeError, ValueError):
-        bad = next(i for i, r in enumerate(rows) if not _is_number(r[args.difficulty_field]))
-        raise SystemExit(f"dataset {args.dataset!r}: row {bad} has a non-numeric {args.difficulty_field!r}: "
-                         f"{rows[bad][args.difficulty_field]!r}.") from None
-    if len(rows) < args.pack_size:
-        raise SystemExit(f"dataset {args.dataset!r} has {len(rows)} problems, fewer than --pack-size {args.pack_size}.")
-    eval_rows = load_rows(args.eval_dataset, args.eval_split, [args.eval_problem_field, args.eval_answer_field],
-                          args.eval_limit) if args.eval_every else []
+
+def load_policy(args, device, resume_dir: Path | None):
+    """(model path, config, tokenizer, trainer): fp32 master weights, FSDP2-sharded under a process group
+    (common/parallel.py), gradient checkpointing on GPU; an unreachable model stops the run in one sentence."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     model_path = resolve_model(args.model)
     try:
         config = AutoConfig.from_pretrained(model_path)
@@ -394,282 +825,183 @@ def main(args: Args) -> dict:
     except Exception as e:
         raise SystemExit(f"could not load model {args.model!r}: {str(e).splitlines()[0][:300]}") from None
     model = AutoModelForCausalLM.from_pretrained(resume_dir / "policy" if resume_dir else model_path,
-                                                 dtype=torch.float32)  # fp32 master weights
+                                                 dtype=torch.float32)
     if device.type == "cuda" and args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    model = dist.shard(model, device)  # FSDP2 under a process group (common/dist.py)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                                  fused=device.type == "cuda")  # fused: no full-size temporary on GPU
-    packs_per_epoch = len(rows) // args.pack_size
-    steps_per_epoch = math.ceil(packs_per_epoch / args.packs_per_step)
-    num_steps = args.epochs * steps_per_epoch
+    return model_path, config, tok, parallel.shard(model, device)
 
-    def pack_prompt(problems: list[str]) -> list[int]:
-        listed = args.problem_separator.join(args.problem_format.format(k=k, problem=q)
-                                             for k, q in enumerate(problems, 1))
-        return encode_chat(tok, args.pack_template.format(n=len(problems), budget=args.budget, problems=listed))
 
-    eval_prompts = [encode_chat(tok, args.single_template.format(problem=r[args.eval_problem_field]))
-                    for r in eval_rows]
-    # a fixed sample of training problems, evaluated one at a time like the held-out ones (eval/train_score)
-    train_eval_rows = [rows[i] for i in sorted(random.Random(args.seed).sample(
-        range(len(rows)), min(args.train_eval_problems, len(rows))))] if args.eval_every else []
-    train_eval_prompts = [encode_chat(tok, args.single_template.format(problem=r[args.problem_field]))
-                          for r in train_eval_rows]
-    longest_pack = max(len(pack_prompt([r[args.problem_field] for r in rows[i : i + args.pack_size]]))
-                       for i in range(0, min(len(rows), 300), args.pack_size))
-    eval_len = max(map(len, eval_prompts)) + args.eval_max_tokens if eval_prompts else 0
-    max_len = max(longest_pack + args.budget, eval_len) + 256
-    peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
+def load_reference(model_path: str, device):
+    """The frozen initial policy, for a KL penalty."""
+    from transformers import AutoModelForCausalLM
+
+    ref = parallel.shard(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), device).eval()
+    return ref.requires_grad_(False)
+
+
+def adamw(model, lr: float, weight_decay: float, device) -> torch.optim.AdamW:
+    """AdamW, betas (0.9, 0.999), eps 1e-8; fused on GPU (no full-size temporary)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8,
+                             fused=device.type == "cuda")
+
+
+def start_engine(model_path: str, max_model_len: int, args, peaks, master: bool):
+    """The in-process vLLM engine (common/engine.py); memory/engine_start is its start-up's peak."""
     peaks.start()
     if master:
         print(f"starting the vLLM engine for {args.model} ...", flush=True)
-    llm = engine.create_engine(model_path, max_model_len=max_len, seed=args.seed,
+    llm = engine.create_engine(model_path, max_model_len=max_model_len, seed=args.seed,
                                gpu_memory_utilization=args.gpu_memory_utilization)
     peaks.end("engine_start")
-    flops_A, flops_B = engine.decoding_flops_coefficients(config)
+    return llm
+
+
+def open_writer(run_name: str, args, master: bool) -> SummaryWriter | None:
+    """TensorBoard under runs/<run_name> with the hyperparameters (rank 0 only; --track mirrors it to W&B)."""
+    if not master:
+        return None
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+        f"|{k}|{v!r}|" for k, v in vars(args).items()))
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
+    return writer
+
+
+def log_scalars(writer: SummaryWriter | None, scalars: dict[str, float], step: int) -> None:
+    if writer is not None:
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+
+
+def log_step(writer: SummaryWriter | None, step: int, scalars: dict[str, float], shown: list[str], args) -> None:
+    """This step's scalars, and a few sample completions as text every --log-completions-every steps."""
+    log_scalars(writer, scalars, step)
+    if writer is not None and args.log_completions_every and step % args.log_completions_every == 0:
+        writer.add_text("samples/completions", "\n\n".join(shown), step)
+
+
+def saving(step: int, last_step: int, args) -> bool:
+    """A checkpoint every --save-every steps and after the last one (--save-every 0: never)."""
+    return bool(args.save_every) and (step % args.save_every == 0 or step == last_step)
+
+
+def wake_up(llm, model, peaks) -> None:
+    """The engine serves the trainer's new weights from the next rollout on (sync, then the KV cache back)."""
+    peaks.start()
+    engine.wake_up(llm, model)
+    peaks.end("wake_up")
+
+
+class Clock:
+    """Wall-clock seconds of each phase of a step (time/<phase>) and of the whole step (charts/step_time)."""
+
+    def __init__(self):
+        self.start = self.last = time.time()
+        self.times: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.time()
+        self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + now - self.last
+        self.last = now
+
+    def scalars(self) -> dict[str, float]:
+        return {"charts/step_time": time.time() - self.start, **self.times}
+# ------------------------------------------------------------------------------------ end: the shared machinery
+
+
+def main(args: Args) -> dict:
+    rank, device, resume_dir, ckpt, run_name = start_run(args)
+    master = rank == 0
+
+    # --- data, models and engine (each fails fast, with one sentence) ---
+    problems, difficulties = training_problems(args)
+    eval_rows = load_rows(args.eval_dataset, args.eval_split, [args.eval_problem_field, args.eval_answer_field],
+                          args.eval_limit) if args.eval_every else []
+    model_path, config, tok, model = load_policy(args, device, resume_dir)
+    optimizer = adamw(model, args.learning_rate, args.weight_decay, device)
+    schedule = PackSchedule(difficulties, args.pack_size, args.seed)
+    num_steps = args.epochs * schedule.steps_per_epoch(args.packs_per_step)
+    last_step = min(num_steps, args.num_steps or num_steps)
+    # evaluation: single problems, the ordinary answer format
+    held_out = Problems(eval_rows, [encode_chat(tok, args.single_template.format(problem=r[args.eval_problem_field]))
+                                    for r in eval_rows])
+    sample = train_sample(len(problems), args)
+    train_eval = Problems([problems[i] for i in sample], [encode_chat(tok, args.single_template.format(
+        problem=problems[i][args.problem_field])) for i in sample])
+    longest_pack = max(len(pack_prompt(tok, [r[args.problem_field] for r in problems[i : i + args.pack_size]], args))
+                       for i in range(0, min(len(problems), 300), args.pack_size))
+    eval_len = max(map(len, held_out.prompts)) + args.eval_max_tokens if held_out.prompts else 0
+    peaks = parallel.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
+    llm = start_engine(model_path, max(longest_pack + args.budget, eval_len) + 256, args, peaks, master)
     verifier = AnswerVerifier()  # its worker processes start on first use only
+    score = partial(eval_scores, args=args, verifier=verifier)
+    packed_eval = partial(packed_evaluation, llm, tok, eval_rows, args, verifier)
 
-    def verify(golds: list[str], answers: list[str | None], tiny: bool) -> list[float]:
-        if tiny:  # the tiny task's verifier compares boxed contents exactly
-            return [float(a is not None and a.strip() == g) for g, a in zip(golds, answers)]
-        return verifier.verify(golds, answers)
-
-    def score_packs(texts: list[str], packs: list[list[dict]], field: str, tiny: bool):
-        """(R, r_acc, r_fmt, N_eff) per completion."""
-        parsed = [parse_packed_answers(t, len(p)) for t, p in zip(texts, packs)]
-        flat = [(str(r[field]), a) for p, ans in zip(packs, parsed) for r, a in zip(p, ans)]
-        xs = iter(verify([g for g, _ in flat], [a for _, a in flat], tiny))
-        out = []
-        for p, ans in zip(packs, parsed):
-            x = [next(xs) for _ in p]
-            n_eff = next((k for k, a in enumerate(ans) if a is None), len(ans))
-            out.append((*packed_reward(x, n_eff, len(p), args.w_acc, args.w_fmt), n_eff))
-        return out
-
-    # --- state: the epoch's packs (re-drawn each epoch, seeded) and counters ---
-    start_step, total_flops, total_tokens = 0, 0, 0
-    packs, packs_epoch = make_packs(difficulties, args.pack_size, 0, args.seed), 0
+    # --- state a checkpoint carries: the epoch's packs and the counters ---
+    start_step, counters = 0, Counters(*engine.decoding_flops_coefficients(config))
     if ckpt:
-        dist.load_checkpoint(resume_dir, model, {"optimizer": optimizer},
-                             offload=("optimizer",) if args.offload_optimizer else ())
-        start_step, total_flops, total_tokens = ckpt["step"], ckpt["decoding_flops"], ckpt["generated_tokens"]
-        packs, packs_epoch = ckpt["packs"], ckpt["packs_epoch"]
+        parallel.load_checkpoint(resume_dir, model, {"optimizer": optimizer},
+                                 offload=("optimizer",) if args.offload_optimizer else ())
+        start_step = ckpt["step"]
+        counters.load_state_dict(ckpt)
+        schedule.load_state_dict(ckpt)
         if master:
             print(f"resumed from {resume_dir} at step {start_step}")
-    engine.sync_weights(llm, model)
-
-    writer = SummaryWriter(f"runs/{run_name}") if master else None  # rank 0 logs
-    if master:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{k}|{v!r}|" for k, v in vars(args).items()))
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
-
-    def sample_for_eval(prompts_: list[list[int]], salt: int, label: str):
-        """The evaluation sampler on these prompts, the same seeds at every evaluation: (groups, texts)."""
-        params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
-                                 top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
-                                 seed=request_seed(args.seed, salt, i)) for i in range(len(prompts_))]
-        groups = engine.generate(llm, prompts_, params, progress=f"evaluation: {label}")
-        return groups, [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
-
-    def evaluate(step: int) -> float:
-        """Single problems, ordinary answer format (the policy must still solve one problem at a time);
-        optionally packs of several sizes under the training cap."""
-        t0 = time.time()
-        groups, texts = sample_for_eval(eval_prompts, -1, "held-out problems")
-        golds = [r for r in eval_rows for _ in range(args.eval_samples)]
-        if args.eval_dataset == "tiny":
-            xs = [tiny_reward(t, r["answer"]) for t, r in zip(texts, golds)]
-        else:
-            xs = verifier.verify([str(r[args.eval_answer_field]) for r in golds],
-                                 [extract_final_answer(t) for t in texts])
-        score = float(np.mean(xs))
-        logged = {"eval/mean_score": score,
-                  "eval/tokens_per_problem": float(np.mean([len(c.token_ids) for g in groups for c in g]))}
-        if train_eval_prompts:  # the same single-problem sampling on training problems: the train / held-out gap
-            _, texts = sample_for_eval(train_eval_prompts, -4, "training problems")
-            golds = [r for r in train_eval_rows for _ in range(args.eval_samples)]
-            answers = [extract_final_answer(t) for t in texts]
-            logged["eval/train_score"] = float(np.mean(verify([str(r[args.answer_field]) for r in golds], answers,
-                                                              args.dataset == "tiny")))
-        for n in args.packed_eval_sizes:
-            eval_packs = [eval_rows[i : i + n] for i in range(0, len(eval_rows) - n + 1, n)]
-            prompts_n = [pack_prompt([r[args.eval_problem_field] for r in p]) for p in eval_packs]
-            outs = engine.generate(llm, prompts_n, progress=f"evaluation: packs of {n}", params=[SamplingParams(
-                n=1, temperature=args.eval_temperature, top_p=args.eval_top_p, top_k=args.eval_top_k,
-                max_tokens=args.budget, seed=request_seed(args.seed, -3, n, i)) for i in range(len(prompts_n))])
-            scored = score_packs([tok.decode(o[0].token_ids, skip_special_tokens=True) for o in outs], eval_packs,
-                                 args.eval_answer_field, args.eval_dataset == "tiny")
-            logged[f"eval/packed_r_acc_n{n}"] = float(np.mean([s[1] for s in scored]))
-            logged[f"eval/packed_n_eff_n{n}"] = float(np.mean([s[3] for s in scored]))
-        logged["time/eval"] = time.time() - t0
+    engine.sync_weights(llm, model)  # the engine serves exactly the trainer's (possibly resumed) weights
+    writer = open_writer(run_name, args, master)
+    last_eval = float("nan")
+    if start_step == 0 and args.eval_every:
+        last_eval = evaluate(0, llm, tok, held_out, train_eval, score, args, writer, more=packed_eval)
         if master:
-            for key, value in logged.items():
-                writer.add_scalar(key, value, step)
-        return score
+            print(f"step 0 | single-problem eval {last_eval:.3f}")
 
-    last_eval = evaluate(0) if args.eval_every and start_step == 0 else float("nan")
-    if start_step == 0 and master:
-        print(f"step 0 | single-problem eval {last_eval:.3f}")
-
-    last_step = min(num_steps, args.num_steps or num_steps)
     for step in range(start_step + 1, last_step + 1):
-        t_step, t0 = time.time(), time.time()
-        epoch, index = divmod(step - 1, steps_per_epoch)
-        if epoch != packs_epoch:  # a new epoch: new packs
-            packs, packs_epoch = make_packs(difficulties, args.pack_size, epoch, args.seed), epoch
-        batch = packs[index * args.packs_per_step : (index + 1) * args.packs_per_step]
-        # 1. Sample S completions of each packed prompt under the one shared cap B
-        prompts = [pack_prompt([rows[i][args.problem_field] for i in p]) for p in batch]
-        params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                 max_tokens=args.budget, logprobs=0, seed=request_seed(args.seed, step, j))
-                  for j in range(len(batch))]
-        peaks.start()
-        groups = engine.generate(llm, prompts, params)
-        peaks.end("rollout")
+        clock = Clock()
+        # 1. Pack N problems per prompt, stratified by difficulty, under one shared cap B
+        batch = schedule.batch(step, args.packs_per_step)
+        prompts = [pack_prompt(tok, [problems[i][args.problem_field] for i in p], args) for p in batch]
+        # 2. One capped completion: S samples of each packed prompt, at most B tokens in all
+        samples = sample_packs(llm, prompts, step, args, peaks)
         engine.sleep(llm, args.vllm_sleep_level)
-        samples = [(j, c) for j in range(len(batch)) for c in groups[j]]  # group-major
-        new_tokens = [len(c.token_ids) for _, c in samples]
-        total_tokens += sum(new_tokens)
-        total_flops += sum(engine.decoding_flops(flops_A, flops_B, len(prompts[j]), len(c.token_ids))
-                           for j, c in samples)
-        t_generate = time.time() - t0
-
-        # 2. Reward: answers completed before the cap keep their credit, truncated or not
-        t0 = time.time()
-        texts = [tok.decode(c.token_ids, skip_special_tokens=True) for _, c in samples]
-        scored = score_packs(texts, [[rows[i] for i in batch[j]] for j, _ in samples], args.answer_field,
-                             args.dataset == "tiny")
+        counters.add_samples(samples)
+        clock.lap("generate")
+        # 3. N_eff reward: answers completed before the cap keep their credit, truncated or not
+        texts = [tok.decode(s.completion.token_ids, skip_special_tokens=True) for s in samples]
+        scored = score_packs(texts, [[problems[i] for i in batch[s.problem]] for s in samples], args.answer_field,
+                             args.dataset == "tiny", args, verifier)
         rewards = torch.tensor([s[0] for s in scored], dtype=torch.float32)
-        r = rewards.view(-1, args.group_size)
-        advantages = group_advantages(rewards, args.group_size, args.std_normalize)
-        t_score = time.time() - t0
-
-        # 3. Old log-probs; truncated completions stay in the loss with their partial reward
-        t0 = time.time()
-        seqs = [prompts[j] + c.token_ids for j, c in samples]
-        starts = [len(prompts[j]) for j, _ in samples]
-        old_lp = {}  # for the rows this process trains (row i: rank i % world under torchrun)
-        model.eval()
-        peaks.start()
-        with torch.no_grad(), autocast(device):
-            for mb in dist.even(make_micro_batches(dist.mine(range(len(seqs))), [len(s) for s in seqs],
-                                                   args.micro_batch_tokens)):
-                if not mb:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
-                    dist.idle_pass(model)
-                    continue
-                ids = pad_batch([seqs[i] for i in mb], tok.pad_token_id, device)
-                lp = sequence_logprobs(model, ids, [starts[i] for i in mb], [new_tokens[i] for i in mb],
-                                       args.temperature, args.logprob_chunk_tokens)
-                for i, a in zip(mb, lp.split([new_tokens[i] for i in mb])):
-                    old_lp[i] = a
-        peaks.end("old_logprobs")
-        mine = sorted(old_lp)
-        trainer_lp = torch.cat([old_lp[i] for i in mine] or [torch.zeros(0)]).float().cpu()
-        log_ratio = trainer_lp - torch.tensor([x for i in mine for x in samples[i][1].logprobs])
-
-        # 4. Clipped surrogate, token-level mean over the batch (long truncated completions are not
-        #    down-weighted per token), beta = 0
-        model.train()
-        n, n_tok, grad_norm = len(seqs), sum(new_tokens), torch.tensor(0.0)
-        stats = {"policy_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0}
-        for k in range(args.num_minibatches):
-            mb = [i for i in range(k * n // args.num_minibatches, (k + 1) * n // args.num_minibatches) if new_tokens[i]]
-            if not mb:
-                continue
-            denom = sum(new_tokens[i] for i in mb)
-            optimizer.zero_grad(set_to_none=True)
-            peaks.start()
-            for micro in dist.even(make_micro_batches(dist.mine(mb), [len(s) for s in seqs], args.micro_batch_tokens)):
-                if not micro:
-                    dist.idle_pass(model)
-                    continue
-                ids = pad_batch([seqs[i] for i in micro], tok.pad_token_id, device)
-                with autocast(device):
-                    lp = sequence_logprobs(model, ids, [starts[i] for i in micro], [new_tokens[i] for i in micro],
-                                           args.temperature, args.logprob_chunk_tokens)
-                adv = torch.cat([advantages[i].expand(new_tokens[i]) for i in micro]).to(device)
-                tok_loss, clipped, approx_kl = clipped_surrogate(lp, torch.cat([old_lp[i] for i in micro]), adv,
-                                                                 args.clip_low, args.clip_high)
-                loss = tok_loss.sum() / denom
-                loss.backward()
-                stats["policy_loss"] += float(loss.detach()) / args.num_minibatches
-                stats["clipfrac"] += float(clipped.float().sum()) / n_tok
-                stats["approx_kl"] += float(approx_kl.detach().sum()) / n_tok
-            peaks.end("backward")
-            grad_norm = dist.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-            if torch.isfinite(grad_norm):
-                peaks.start()
-                dist.step(optimizer, device, args.offload_optimizer)
-                peaks.end("optimizer_step")
-        model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
-        stats = {k: dist.sum_all(v) for k, v in stats.items()}  # each rank summed its own rows
-        t_train = time.time() - t0
-        t0 = time.time()
-        peaks.start()
-        engine.wake_up(llm, model)
-        peaks.end("wake_up")
-        t_sync = time.time() - t0
-
-        # 5. Log, evaluate, checkpoint
-        truncated = [c.truncated for _, c in samples]
-        n_eff = [s[3] for s in scored]
-        scalars = {
-            "charts/decoding_flops": total_flops, "charts/generated_tokens": total_tokens,
-            "charts/step_time": time.time() - t_step, "train/reward_mean": float(rewards.mean()),
-            "losses/policy_loss": stats["policy_loss"], "losses/clipfrac": stats["clipfrac"],
-            "losses/approx_kl": stats["approx_kl"], "losses/grad_norm": float(grad_norm),
-            # Monte-Carlo estimate of the token entropy: mean -log p of the sampled tokens
-            "losses/entropy": -dist.mean_all(trainer_lp),
-            "sampling/mismatch_kl": dist.mean_all(torch.exp(log_ratio) - 1 - log_ratio),
-            "time/generate": t_generate, "time/score": t_score, "time/train": t_train, "time/sync": t_sync,
-            "ccr/tokens_per_step": sum(new_tokens), "ccr/r_acc": float(np.mean([s[1] for s in scored])),
-            "ccr/r_fmt": float(np.mean([s[2] for s in scored])), "ccr/n_eff_mean": float(np.mean(n_eff)),
-            "ccr/truncated_frac": float(np.mean(truncated)), "ccr/completion_len_mean": float(np.mean(new_tokens)),
-            "ccr/truncated_rewarded_frac": float(np.mean([s[1] > 0 for s, t in zip(scored, truncated) if t] or [0.0])),
-            "ccr/zero_std_frac": float((r.std(dim=1) == 0).float().mean()) if args.group_size > 1 else 1.0,
-        }
-        for k in range(args.pack_size + 1):
-            scalars[f"ccr/n_eff_frac_{k}"] = float(np.mean([e == k for e in n_eff]))
-        scalars.update(peaks.pop())
+        rows = training_rows(samples, group_advantages(rewards, args.group_size, args.std_normalize))
+        clock.lap("score")
+        # 4. GRPO within each pack's group; truncated completions stay in the loss with their partial reward
+        old_logprobs(model, rows, args.temperature, args, peaks)
+        losses = ppo_update(model, optimizer, rows, partial(micro_batch_loss, args=args), STATS, args, peaks)
+        clock.lap("train")
+        wake_up(llm, model, peaks)
+        clock.lap("sync")
+        # 5. log, evaluate, checkpoint
+        scalars = {**counters.scalars(), **step_scalars(scored, samples, rewards, args), **losses, "losses/entropy":
+                   sampled_entropy(rows), **sampler_gap(rows), **clock.scalars(), **peaks.pop()}
+        log_step(writer, step, scalars, [f"**R={scored[i][0]:.2f} N_eff={scored[i][3]} truncated="
+                                         f"{samples[i].completion.truncated}**\n```\n{texts[i][-2000:]}\n```"
+                                         for i in range(min(3, len(texts)))], args)
+        if writer is not None:
+            writer.add_histogram("ccr/n_eff", np.array([s[3] for s in scored]), step,
+                                 bins=np.arange(args.pack_size + 2) - 0.5)
+        if evaluating(step, last_step, args):
+            last_eval = evaluate(step, llm, tok, held_out, train_eval, score, args, writer, more=packed_eval)
         if master:
-            for key, value in scalars.items():
-                writer.add_scalar(key, value, step)
-            writer.add_histogram("ccr/n_eff", np.array(n_eff), step, bins=np.arange(args.pack_size + 2) - 0.5)
-            if args.log_completions_every and step % args.log_completions_every == 0:
-                shown = [f"**R={scored[i][0]:.2f} N_eff={scored[i][3]} truncated={truncated[i]}**\n```\n"
-                         f"{texts[i][-2000:]}\n```" for i in range(min(3, n))]
-                writer.add_text("samples/completions", "\n\n".join(shown), step)
-        if args.eval_every and (step % args.eval_every == 0 or step == last_step):
-            last_eval = evaluate(step)
-        if master:
-            print(f"step {step}/{last_step} | R {scalars['train/reward_mean']:.3f} r_acc {scalars['ccr/r_acc']:.3f} | "
-                  f"N_eff {scalars['ccr/n_eff_mean']:.2f} | truncated {scalars['ccr/truncated_frac']:.2f} | tokens "
-                  f"{sum(new_tokens)} | eval {last_eval:.3f} | gen {t_generate:.1f}s train {t_train:.1f}s", flush=True)
-        if args.save_every and (step % args.save_every == 0 or step == last_step):
-            state = {"run_name": run_name, "packs": packs, "packs_epoch": packs_epoch, "decoding_flops": total_flops,
-                     "generated_tokens": total_tokens}
-            path = dist.save_checkpoint(Path(args.checkpoint_dir) / run_name, step, model, tok,
-                                        {"optimizer": optimizer}, state, args.keep_checkpoints)
-            if master:
-                print(f"saved {path}")
-    if master:
+            print(progress_line(step, last_step, scalars, last_eval, clock), flush=True)
+        if saving(step, last_step, args):
+            save(step, model, tok, optimizer, run_name, schedule, counters, args)
+
+    if writer is not None:
         writer.close()
     verifier.close()
     return {"run_name": run_name, "eval/mean_score": last_eval}
-
-
-def _is_number(x) -> bool:
-    try:
-        float(x)
-        return True
-    except (TypeError, ValueError):
-        return False
 
 
 if __name__ == "__main__":

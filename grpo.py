@@ -1,4 +1,4 @@
-"""GRPO: the baseline that AC2, RPO and CCR are measured against (spec/grpo.md).
+"""GRPO: the baseline that AC2, RPO and CCR are measured against (docs/grpo.md).
 
 Each step samples a group of G complete responses for each of B problems, scores every response with a
 verifier or an LLM judge, and gives every new token of response i the advantage A_i = R_i - mean_j R_j
@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import random
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -28,12 +30,12 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
-from common import dist, engine
+from common import engine, parallel
 from common.data import load_rows
-from common.judges import AnswerVerifier, Judge, JudgeConfig, extract_final_answer, extract_proof
+from common.judges import AnswerVerifier, extract_final_answer, extract_proof, start_judge, watch_judge
 from common.tiny import resolve_model, tiny_reward
 
-AC2_PROMPT = (  # AC2 paper, Appendix C (spec/ac2.md "Actor prompt")
+AC2_PROMPT = (  # the AC2 paper's actor prompt, Appendix C
     "Consider the following mathematical problem:\n{problem}\n\nSolve the problem. Write a complete "
     "solution/proof.\n\n- Enclose any brief thinking in <think></think> tags, then finish your thinking with "
     "</think>.\n\nThen write your final solution/proof inside <proof></proof> tags:\n<proof>\n...your "
@@ -218,53 +220,43 @@ def tiny_args() -> Args:
     )
 
 
-# ----------------------------------------------------------------------------------------------------
-# Small helpers
-# ----------------------------------------------------------------------------------------------------
-def request_seed(*keys: int) -> int:
-    """A sampling seed per (run seed, step, request): resumed runs sample exactly what straight runs did."""
-    return int(np.random.SeedSequence([abs(k) for k in keys]).generate_state(1)[0] >> 1)
+# ====================================================================================================
+# ALGO LOGIC: GRPO's rules, its loss and the stages of its step (what a fork changes)
+# ====================================================================================================
+def sample_responses(llm, train: Problems, batch: list[int], step: int, args: Args, peaks) -> list[Sample]:
+    """Step 1: G complete responses for each of the B problems, group-major (G rows per problem)."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                             max_tokens=args.max_response_tokens, logprobs=0, seed=request_seed(args.seed, step, j))
+              for j in range(len(batch))]
+    peaks.start()
+    groups = engine.generate(llm, [train.prompts[p] for p in batch], params)
+    peaks.end("rollout")
+    return [Sample(p, train.prompts[p], c) for p, group in zip(batch, groups) for c in group]
 
 
-def problems_for_step(n_rows: int, per_step: int, step: int, seed: int) -> list[int]:
-    """Row indices of step `step` (1-based): consecutive slices of seeded per-epoch permutations."""
-    out, pos = [], (step - 1) * per_step
-    while len(out) < per_step:
-        epoch, offset = divmod(pos, n_rows)
-        perm = list(range(n_rows))
-        random.Random(seed * 1_000_003 + epoch).shuffle(perm)
-        take = min(per_step - len(out), n_rows - offset)
-        out += perm[offset : offset + take]
-        pos += take
-    return out
+def score_responses(args: Args, texts: list[str], problems: list[dict], verifier, judge, held_out: bool = False):
+    """(rewards, valid flags, judge points or None, [(error, detail) of each judge call]) for each response.
 
-
-def encode_prompt(tokenizer, template: str, problem: str) -> list[int]:
-    """Chat-templated user turn + generation prompt (for thinking models it opens `<think>`)."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": template.format(problem=problem)}], tokenize=False, add_generation_prompt=True
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def score_responses(args: Args, texts, rows, *, verifier, judge, evaluation: bool = False):
-    """(rewards, valid flags, judge points or None, [(error, detail) of each judge call]) for each response."""
+    The judge grades training responses on the released 7/6/1/0 scale and held-out ones 0-7 with their reference
+    solution and guidelines (docs/ac2.md, "The judge"); a response without a complete proof gets 0 without a call
+    and stays valid."""
     n = len(texts)
-    if args.dataset == "tiny" and (not evaluation or args.eval_dataset == "tiny"):
-        return [tiny_reward(t, r["answer"]) for t, r in zip(texts, rows)], [True] * n, [None] * n, []
+    if args.dataset == "tiny" and (not held_out or args.eval_dataset == "tiny"):
+        return [tiny_reward(t, r["answer"]) for t, r in zip(texts, problems)], [True] * n, [None] * n, []
     if args.reward == "verifier":
-        field = args.eval_answer_field if evaluation else args.answer_field
-        golds = [str(r[field]) for r in rows]
+        field = args.eval_answer_field if held_out else args.answer_field
+        golds = [str(r[field]) for r in problems]
         return verifier.verify(golds, [extract_final_answer(t) for t in texts]), [True] * n, [None] * n, []
-    # judge: a response without a complete proof gets 0 without a call and stays valid (spec/ac2.md step 5)
     proofs = [extract_proof(t) for t in texts]
     todo = [i for i, p in enumerate(proofs) if p is not None]
     results = judge.grade(
-        [rows[i][args.problem_field] for i in todo],
+        [problems[i][args.problem_field] for i in todo],
         [proofs[i] for i in todo],
-        [rows[i].get(args.eval_solution_field) for i in todo] if evaluation else None,
-        [rows[i].get(args.eval_guidelines_field) for i in todo] if evaluation else None,
-        validation=evaluation,
+        [problems[i].get(args.eval_solution_field) for i in todo] if held_out else None,
+        [problems[i].get(args.eval_guidelines_field) for i in todo] if held_out else None,
+        validation=held_out,
     )
     rewards, valid, points = [0.0] * n, [True] * n, [0] * n
     for i, res in zip(todo, results):
@@ -272,22 +264,19 @@ def score_responses(args: Args, texts, rows, *, verifier, judge, evaluation: boo
     return rewards, valid, points, [(res.error, res.detail) for res in results]
 
 
-def judge_failure_streak(calls: list[tuple[str | None, str | None]], streak: int) -> tuple[int, str | None]:
-    """A step in which more than half of the judge calls failed extends the streak and explains itself (the
-    causes, most frequent first, with one server message each); any other step ends the streak. A failing
-    judge turns rewards into invalid zeros, so the caller stops the run when the streak gets long."""
-    failed = [(e, d) for e, d in calls if e is not None]
-    if not calls or 2 * len(failed) <= len(calls):
-        return 0, None
-    causes = collections.Counter(e for e, _ in failed)
-    detail = dict(reversed(failed))  # the first message of each cause
-    listed = "; ".join(f"{e} x{k}" + (f" ({detail[e]})" if detail[e] else "") for e, k in causes.most_common())
-    return streak + 1, f"{len(failed)} of {len(calls)} judge calls failed: {listed}"
+def eval_scores(texts: list[str], problems: list[dict], held_out: bool, args: Args, verifier, judge):
+    """Evaluation's scores and extra keys: with a judge, the pass rate (>= 6 of 7) and the invalid share."""
+    rewards, valid, points, _ = score_responses(args, texts, problems, verifier, judge, held_out)
+    extra = {}
+    if args.reward == "judge" and held_out:
+        extra = {"eval/pass_rate": float(np.mean([(p or 0) >= 6 for p in points])),
+                 "eval/judge_invalid": float(np.mean([not v for v in valid]))}
+    return rewards, extra
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool) -> torch.Tensor:
-    """A_i = R_i - mean_j R_j over each group (spec/grpo.md); with std_normalize, / (std_j R_j + 1e-4)."""
-    r = rewards.view(-1, group_size)
+def group_advantages(rewards, group_size: int, std_normalize: bool) -> torch.Tensor:
+    """A_i = R_i - mean_j R_j over each group (AC2 paper, Section 2); with std_normalize, / (std_j R_j + 1e-4)."""
+    r = torch.as_tensor(rewards, dtype=torch.float32).view(-1, group_size)
     adv = r - r.mean(dim=1, keepdim=True)
     if std_normalize:  # unbiased std as in TRL; equal rewards give A = 0 either way
         adv = adv / (r.std(dim=1, keepdim=True) + 1e-4) if group_size > 1 else adv
@@ -300,9 +289,223 @@ def update_entropy_offset(k: float, mean_entropy: float, args: Args) -> float:
     return float(np.clip(k + step, -args.entropy_k_bound, args.entropy_k_bound))
 
 
-# ----------------------------------------------------------------------------------------------------
-# Log-probabilities (chunked) and the PPO loss
-# ----------------------------------------------------------------------------------------------------
+def ppo_loss(logp, old_logp, adv, clip_low: float, clip_high: float, dual_clip: float):
+    """Per-token dual-clip PPO loss (AC2 paper, Appendix C), plus which clip was active.
+
+    ratio = exp(clamp(logp - old_logp, -20, 20)); L = max(-A*ratio, -A*clip(ratio, 1-eps_low, 1+eps_high));
+    for A < 0 the loss is further capped at -A*c (dual clip, c > 0; 0 turns it off), so a huge ratio cannot blow
+    up a negative update.
+    """
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
+    unclipped, clipped = -adv * ratio, -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual_active = (adv < 0) & (loss > -adv * dual_clip) if dual_clip > 0 else torch.zeros_like(adv, dtype=torch.bool)
+    loss = torch.where(dual_active, -adv * dual_clip, loss)
+    stats = {
+        "clip_low": (adv < 0) & (ratio < 1 - clip_low),
+        "clip_high": (adv > 0) & (ratio > 1 + clip_high),
+        "clip_dual": dual_active,
+        "approx_kl": (ratio - 1) - torch.log(ratio),  # k3 estimate of KL(old || new)
+    }
+    return loss, stats
+
+
+def aggregate_loss(tok_loss, token_counts: list[int], loss_agg: str, denom: float):
+    """This micro-batch's share of the minibatch loss; micro-batch shares add up to the minibatch loss.
+
+    token-mean: sum of token losses / tokens in the minibatch (denom) -- every token weighs the same.
+    seq-mean-token-mean: each sequence's token mean, summed / sequences in the minibatch (denom).
+    """
+    if loss_agg == "token-mean":
+        return tok_loss.sum() / denom
+    per_seq = torch.stack([t.mean() for t in tok_loss.split(token_counts)])
+    return per_seq.sum() / denom
+
+
+def training_rows(samples: list[Sample], advantages: torch.Tensor) -> list[TrainRow]:
+    """Every response's new tokens carry its advantage; the prompt gets no loss."""
+    return [TrainRow(s.context + s.completion.token_ids, len(s.context), len(s.completion.token_ids), float(a),
+                     sampled=s.completion.logprobs) for s, a in zip(samples, advantages)]
+
+
+def micro_batch_loss(rows: list[TrainRow], logp, minibatch: list[TrainRow], clip_high: float, args: Args):
+    """A micro-batch's share of its minibatch's loss: dual-clip PPO (+ beta * k3 KL to the reference), token mean
+    over the minibatch or per-sequence mean over its sequences; and the counts its statistics need."""
+    denom = sum(r.n for r in minibatch) if args.loss_agg == "token-mean" else len(minibatch)
+    adv = torch.cat([torch.full((r.n,), r.advantage) for r in rows]).to(logp.device)
+    tok_loss, st = ppo_loss(logp, torch.cat([r.old_logp for r in rows]), adv, args.clip_low, clip_high,
+                            args.dual_clip)
+    sums = {key: float(v.detach().float().sum()) for key, v in st.items()}
+    if args.kl_coef > 0:  # k3 estimator of KL(pi || pi_ref), per token
+        d = torch.cat([r.ref_logp for r in rows]) - logp
+        kl = torch.exp(d) - d - 1
+        tok_loss = tok_loss + args.kl_coef * kl
+        sums["kl_ref"] = float(kl.detach().sum())
+    return aggregate_loss(tok_loss, [r.n for r in rows], args.loss_agg, denom), sums
+
+
+STATS = ("clip_low", "clip_high", "clip_dual", "approx_kl")  # what `micro_batch_loss` counts (+ kl_ref with a KL)
+
+
+def step_scalars(rewards: list[float], valid: list[bool], samples: list[Sample], args: Args) -> dict[str, float]:
+    """GRPO's own logged quantities of one step."""
+    rewards_t = torch.tensor(rewards, dtype=torch.float32)
+    r = rewards_t.view(-1, args.group_size)
+    new_tokens = [len(s.completion.token_ids) for s in samples]
+    return {
+        "charts/learning_rate": args.learning_rate, "train/reward_mean": float(rewards_t.mean()),
+        "train/reward_std": float(rewards_t.std()) if len(rewards) > 1 else 0.0,
+        "train/zero_std_frac": float((r.std(dim=1) == 0).float().mean()) if args.group_size > 1 else 1.0,
+        "train/judge_invalid": float(np.mean([not v for v in valid])),
+        "train/response_len_mean": float(np.mean(new_tokens)), "train/response_len_min": min(new_tokens),
+        "train/response_len_max": max(new_tokens),
+        "train/truncated_frac": float(np.mean([s.completion.truncated for s in samples])),
+    }
+
+
+def progress_line(step: int, scalars: dict, last_eval: float, clock: Clock, args: Args) -> str:
+    t = clock.times
+    return (f"step {step}/{args.num_steps} | reward {scalars['train/reward_mean']:.3f} | eval {last_eval:.3f} | len "
+            f"{scalars['train/response_len_mean']:.0f} | kl {scalars['sampling/mismatch_kl']:.1e} | gen "
+            f"{t['time/generate']:.1f}s score {t['time/score']:.1f}s train {t['time/train']:.1f}s sync "
+            f"{t['time/sync']:.2f}s")
+
+
+def save(step: int, model, tok, optimizer, run_name: str, k_entropy: float, counters: Counters, args: Args) -> Path:
+    """A checkpoint of everything the run carries, as of the end of step `step`."""
+    state = {"run_name": run_name, "entropy_k": k_entropy, **counters.state_dict()}
+    return parallel.save_checkpoint(Path(args.checkpoint_dir) / run_name, step, model, tok, {"optimizer": optimizer},
+                                    state, args.keep_checkpoints)
+
+
+# ====================================================================================================
+# TRY NOT TO MODIFY: the data order. Identical in grpo.py and rpo.py (tests/test_shared_blocks.py)
+# ====================================================================================================
+def problems_for_step(n_rows: int, per_step: int, step: int, seed: int) -> list[int]:
+    """Row indices of step `step` (1-based): consecutive slices of seeded per-epoch permutations."""
+    out, pos = [], (step - 1) * per_step
+    while len(out) < per_step:
+        epoch, offset = divmod(pos, n_rows)
+        perm = list(range(n_rows))
+        random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+        take = min(per_step - len(out), n_rows - offset)
+        out += perm[offset : offset + take]
+        pos += take
+    return out
+# -------------------------------------------------------------------------------------- end: the data order
+
+
+# ====================================================================================================
+# TRY NOT TO MODIFY: the PPO update. Identical in grpo.py, rpo.py and ccr.py (tests/test_shared_blocks.py; ac2.py
+# puts its critic step between two minibatches, so it calls `train_minibatch` itself)
+# ====================================================================================================
+def ppo_update(model, optimizer, rows: list[TrainRow], micro_batch_loss, stats: tuple[str, ...], args,
+               peaks) -> dict[str, float]:
+    """One epoch over the rows in --num-minibatches consecutive minibatches (no shuffle), one optimizer step each,
+    around the script's own loss: `micro_batch_loss(rows, logp, minibatch)` is one micro-batch's share of its
+    minibatch's loss, with the counts of `stats` (the losses/* keys). Loss denominators count the whole minibatch,
+    so each rank's share adds up to the one-process loss."""
+    model.train()
+    totals, grad_norms, skipped = collections.Counter(), [], 0
+    for mb in minibatches(rows, args.num_minibatches):
+        if not mb:
+            continue
+        loss = partial(micro_batch_loss, minibatch=[rows[i] for i in mb])
+        result = train_minibatch(model, optimizer, rows, mb, loss, args.temperature, args.max_grad_norm, args, peaks,
+                                 args.offload_optimizer)
+        totals.update(result.sums)
+        totals["policy_loss"] += result.loss / args.num_minibatches
+        grad_norms.append(result.grad_norm)
+        skipped += not result.stepped
+    model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
+    return update_scalars(totals, grad_norms, skipped, rows, stats)
+# ----------------------------------------------------------------------------------------------- end: the PPO update
+
+
+# ====================================================================================================
+# TRY NOT TO MODIFY: the shared machinery. Identical in grpo.py, ac2.py, rpo.py and ccr.py
+# (tests/test_shared_blocks.py): sampling records, log-probabilities, the update around each script's own
+# loss, evaluation, set-up, logging.
+# ====================================================================================================
+@dataclasses.dataclass
+class Problems:
+    """A set of problems: the data set's rows and their tokenized prompts."""
+
+    rows: list[dict]
+    prompts: list[list[int]]
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sampled continuation of a prompt (+ prefix): which problem, the tokens before it, what was sampled."""
+
+    problem: int  # its index among the training problems (CCR: the pack's, in this step's batch)
+    context: list[int]  # prompt (+ replayed prefix) token ids
+    completion: engine.Completion
+
+
+@dataclasses.dataclass
+class TrainRow:
+    """One sequence the trainer scores: loss on the n tokens of `ids` from position `start` on.
+
+    `sampled`: the engine's sampling log-probabilities of the tokens it drew this step, the last len(sampled)
+    loss tokens (the sampler / trainer gap is measured on them). `weight`: the row's weight in its loss; 0 leaves
+    it out of the update (its tokens still count in the update's statistics). The old log-probabilities, the
+    entropies and the reference's log-probabilities are filled in by `old_logprobs`, on the rank that trains it.
+    """
+
+    ids: list[int]
+    start: int
+    n: int
+    advantage: float = 0.0
+    weight: float = 1.0
+    sampled: list[float] = dataclasses.field(default_factory=list)
+    prefix_len: int = 0  # tokens of a replayed prefix after the prompt (AC2, RPO); 0: a response to the prompt alone
+    old_logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Counters:
+    """The cumulative counts every script logs and checkpoints (charts/decoding_flops, charts/generated_tokens)."""
+
+    flops_A: int
+    flops_B: int
+    decoding_flops: int = 0
+    generated_tokens: int = 0
+
+    def add(self, context_len: int, new_tokens: int) -> None:
+        """One policy rollout of `new_tokens` after `context_len` tokens (AC2 paper, Eq. 6)."""
+        self.decoding_flops += engine.decoding_flops(self.flops_A, self.flops_B, context_len, new_tokens)
+        self.generated_tokens += new_tokens
+
+    def add_samples(self, samples: list[Sample]) -> None:
+        for s in samples:
+            self.add(len(s.context), len(s.completion.token_ids))
+
+    def scalars(self) -> dict[str, int]:
+        return {"charts/decoding_flops": self.decoding_flops, "charts/generated_tokens": self.generated_tokens}
+
+    def state_dict(self) -> dict:
+        return {"decoding_flops": self.decoding_flops, "generated_tokens": self.generated_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decoding_flops, self.generated_tokens = state["decoding_flops"], state["generated_tokens"]
+
+
+def request_seed(*keys: int) -> int:
+    """A sampling seed per (run seed, step, request): resumed runs sample exactly what straight runs did."""
+    return int(np.random.SeedSequence([abs(k) for k in keys]).generate_state(1)[0] >> 1)
+
+
+def encode_chat(tokenizer, message: str) -> list[int]:
+    """A chat-templated user turn + the generation prompt (for thinking models it opens `<think>`)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def _chunk_logprobs(hidden, targets, weight, bias, temperature: float, with_entropy: bool):
     logits = F.linear(hidden, weight, bias).float() / temperature  # [chunk, vocab], never [tokens, vocab]
     logz = torch.logsumexp(logits, dim=-1)
@@ -348,38 +551,6 @@ def sequence_logprobs(model, input_ids, starts, lengths, temperature: float, chu
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
-def ppo_loss(logp, old_logp, adv, clip_low: float, clip_high: float, dual_clip: float):
-    """Per-token dual-clip PPO loss (spec/ac2.md "Actor loss"), plus which clip was active.
-
-    ratio = exp(clamp(logp - old_logp, -20, 20)); L = max(-A*ratio, -A*clip(ratio, 1-eps_low, 1+eps_high));
-    for A < 0 the loss is further capped at -A*c (dual clip), so a huge ratio cannot blow up a negative update.
-    """
-    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
-    unclipped, clipped = -adv * ratio, -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    dual_active = (adv < 0) & (loss > -adv * dual_clip) if dual_clip > 0 else torch.zeros_like(adv, dtype=torch.bool)
-    loss = torch.where(dual_active, -adv * dual_clip, loss)
-    stats = {
-        "clip_low": (adv < 0) & (ratio < 1 - clip_low),
-        "clip_high": (adv > 0) & (ratio > 1 + clip_high),
-        "clip_dual": dual_active,
-        "approx_kl": (ratio - 1) - torch.log(ratio),  # k3 estimate of KL(old || new)
-    }
-    return loss, stats
-
-
-def aggregate_loss(tok_loss, token_counts: list[int], loss_agg: str, denom: float):
-    """This micro-batch's share of the minibatch loss; micro-batch shares add up to the minibatch loss.
-
-    token-mean: sum of token losses / tokens in the minibatch (denom) -- every token weighs the same.
-    seq-mean-token-mean: each sequence's token mean, summed / sequences in the minibatch (denom).
-    """
-    if loss_agg == "token-mean":
-        return tok_loss.sum() / denom
-    per_seq = torch.stack([t.mean() for t in tok_loss.split(token_counts)])
-    return per_seq.sum() / denom
-
-
 def make_micro_batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
     """Greedy packing, longest first, so that (rows x longest row) <= budget tokens (one row may exceed it)."""
     order = sorted(indices, key=lambda i: -lengths[i])
@@ -392,8 +563,9 @@ def make_micro_batches(indices: list[int], lengths: list[int], budget: int) -> l
     return batches + ([current] if current else [])
 
 
-def pad_batch(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
-    out = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
+def pad_batch(seqs: list[list[int]], device) -> torch.Tensor:
+    """Right-padded token ids: causal attention never lets a real token see the pads after it, so any id does."""
+    out = torch.zeros((len(seqs), max(map(len, seqs))), dtype=torch.long)
     for i, s in enumerate(seqs):
         out[i, : len(s)] = torch.tensor(s)
     return out.to(device)
@@ -405,323 +577,367 @@ def autocast(device):
     return torch.autocast("cpu", enabled=False)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------------------
-def main(args: Args) -> dict:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def old_logprobs(model, rows: list[TrainRow], temperature: float, args, peaks, ref_model=None) -> None:
+    """The trainer's log-probabilities (logits / T) and entropies of every row's loss tokens before the update --
+    and the frozen reference's, with `ref_model` -- for the rows this rank trains (all of them in one process;
+    row i: rank i % world under torchrun). The ratio's denominator is recomputed, not the engine's."""
+    device = next(model.parameters()).device
+    model.eval()
+    peaks.start()
+    with torch.no_grad(), autocast(device):
+        for micro in parallel.even(make_micro_batches(parallel.mine(range(len(rows))), [len(r.ids) for r in rows],
+                                                      args.micro_batch_tokens)):
+            if not micro:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
+                parallel.idle_pass(model)
+                if ref_model is not None:
+                    parallel.idle_pass(ref_model)
+                continue
+            batch = [rows[i] for i in micro]
+            ids, starts, ns = pad_batch([r.ids for r in batch], device), [r.start for r in batch], [r.n for r in batch]
+            lp, ent = sequence_logprobs(model, ids, starts, ns, temperature, args.logprob_chunk_tokens,
+                                        with_entropy=True)
+            ref = sequence_logprobs(ref_model, ids, starts, ns, temperature, args.logprob_chunk_tokens)[0] \
+                if ref_model is not None else None
+            for r, a, b, c in zip(batch, lp.split(ns), ent.split(ns), ref.split(ns) if ref is not None else ns):
+                r.old_logp, r.entropy, r.ref_logp = a, b, (c if ref is not None else None)
+    peaks.end("old_logprobs")
+
+
+def sampled_tokens(rows: list[TrainRow], field: str = "old_logp") -> torch.Tensor:
+    """This rank's rows' `old_logp` or `entropy` on the tokens the engine sampled, on the CPU, in row order."""
+    mine = [r for r in rows if r.old_logp is not None]
+    return torch.cat([getattr(r, field)[r.n - len(r.sampled):] for r in mine] or [torch.zeros(0)]).float().cpu()
+
+
+def sampled_entropy(rows: list[TrainRow]) -> float:
+    """The mean token entropy (at the sampling temperature, before the update) over the tokens the engine sampled,
+    all ranks together."""
+    return parallel.mean_all(sampled_tokens(rows, "entropy"))
+
+
+def sampler_gap(rows: list[TrainRow]) -> dict[str, float]:
+    """The engine's sampling log-probabilities against the trainer's old ones on the same tokens, over all ranks:
+    the k3 KL (`sampling/mismatch_kl`) and the largest gap (`sampling/mismatch_max`)."""
+    engine_lp = torch.tensor([x for r in rows if r.old_logp is not None for x in r.sampled])
+    log_ratio = sampled_tokens(rows) - engine_lp
+    return {"sampling/mismatch_kl": parallel.mean_all(torch.exp(log_ratio) - 1 - log_ratio),
+            "sampling/mismatch_max": parallel.max_all(float(log_ratio.abs().max()) if len(log_ratio) else 0.0)}
+
+
+def minibatches(rows: list[TrainRow], num_minibatches: int) -> list[list[int]]:
+    """One epoch in `num_minibatches` consecutive slices of the rows (no shuffle), without the rows that carry no
+    loss (no tokens, or weight 0); a slice may come out empty."""
+    n = len(rows)
+    return [[i for i in range(m * n // num_minibatches, (m + 1) * n // num_minibatches)
+             if rows[i].n > 0 and rows[i].weight > 0] for m in range(num_minibatches)]
+
+
+@dataclasses.dataclass
+class MinibatchResult:
+    loss: float  # the minibatch loss (all ranks)
+    sums: dict[str, float]  # the micro-batch loss's token counts, this rank's rows
+    grad_norm: float
+    stepped: bool  # False: a non-finite loss or gradient, and the step was skipped
+
+
+def train_minibatch(model, optimizer, rows: list[TrainRow], indices: list[int], micro_batch_loss, temperature: float,
+                    max_grad_norm: float, args, peaks, offload: bool,
+                    phases: tuple[str, str] = ("backward", "optimizer_step")) -> MinibatchResult:
+    """One optimizer step on the rows `indices`: this rank's share, in micro-batches of at most
+    --micro-batch-tokens padded tokens whose gradients accumulate; `micro_batch_loss(rows, logp)` is the script's
+    own loss, (this micro-batch's share of the minibatch loss, {name: token count}). Gradients clipped to
+    `max_grad_norm`; a non-finite loss or gradient would poison the weights, so that step is skipped. `phases`
+    name the memory/<phase> logs of the passes and of the optimizer step."""
+    device = next(model.parameters()).device
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, sums = 0.0, collections.Counter()
+    peaks.start()
+    for micro in parallel.even(make_micro_batches(parallel.mine(indices), [len(r.ids) for r in rows],
+                                                  args.micro_batch_tokens)):
+        if not micro:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
+            parallel.idle_pass(model)
+            continue
+        batch = [rows[i] for i in micro]
+        ids = pad_batch([r.ids for r in batch], device)
+        with autocast(device):
+            logp, _ = sequence_logprobs(model, ids, [r.start for r in batch], [r.n for r in batch], temperature,
+                                        args.logprob_chunk_tokens)
+        loss, counts = micro_batch_loss(batch, logp)
+        loss.backward()
+        loss_sum += float(loss.detach())
+        sums.update(counts)
+    peaks.end(phases[0])
+    loss_sum = parallel.sum_all(loss_sum)  # each rank summed its own rows
+    grad_norm = parallel.full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    stepped = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm))
+    if stepped:
+        peaks.start()
+        parallel.optimizer_step(optimizer, device, offload)
+        peaks.end(phases[1])
+    return MinibatchResult(loss_sum, dict(sums), float(grad_norm), stepped)
+
+
+LOSS_KEYS = {"clip_low": "losses/clipfrac_low", "clip_high": "losses/clipfrac_high",
+             "clip_dual": "losses/clipfrac_dual", "approx_kl": "losses/approx_kl", "kl_ref": "losses/kl_ref"}
+
+
+def update_scalars(totals: dict, grad_norms: list[float], skipped: int, rows: list[TrainRow],
+                   stats: tuple[str, ...]) -> dict[str, float]:
+    """The losses/* keys of one update: the policy loss (summed over minibatches by the caller), each count of
+    `stats` as a share of all the rows' loss tokens (all ranks together), losses/clipfrac = low + high, the mean
+    gradient norm before clipping and the steps skipped as non-finite."""
+    n_tok = max(sum(r.n for r in rows), 1)
+    out = {"losses/policy_loss": totals["policy_loss"]}
+    out.update({LOSS_KEYS[k]: parallel.sum_all(totals[k]) / n_tok for k in stats})  # each rank counted its own rows
+    out["losses/clipfrac"] = out["losses/clipfrac_low"] + out["losses/clipfrac_high"]
+    return {**out, "losses/grad_norm": float(np.mean(grad_norms or [0.0])), "losses/skipped_steps": skipped}
+
+
+def sample_for_eval(llm, tok, prompts: list[list[int]], salt: int, label: str, args):
+    """The evaluation sampler on these prompts, the same seeds at every evaluation: (texts, lengths)."""
     from vllm import SamplingParams
 
-    # one process per GPU under torchrun, each holding all of the algorithm's state (common/dist.py)
-    rank, world, device = dist.init()
-    master = rank == 0
-    if master and world > 1:
+    params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
+                             top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
+                             seed=request_seed(args.seed, salt, i)) for i in range(len(prompts))]
+    groups = engine.generate(llm, prompts, params, progress=f"evaluation: {label}")
+    return ([tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g],
+            [len(c.token_ids) for g in groups for c in g])
+
+
+def evaluate(step: int, llm, tok, held_out: Problems, train_sample: Problems, score, args, writer,
+             more=None) -> float:
+    """eval/mean_score on the held-out problems, --eval-samples each; the same sampling on a fixed sample of
+    training problems (eval/train_score: the train / held-out gap); `more()` adds a script's own evaluations.
+    `score(texts, rows, held_out)` is the script's: (a score per text, extra keys)."""
+    t0 = time.time()
+    texts, lengths = sample_for_eval(llm, tok, held_out.prompts, -1, "held-out problems", args)
+    scores, logged = score(texts, [r for r in held_out.rows for _ in range(args.eval_samples)], True)
+    logged = {"eval/mean_score": float(np.mean(scores)), **logged, "eval/response_len_mean": float(np.mean(lengths))}
+    if train_sample.prompts:
+        texts, _ = sample_for_eval(llm, tok, train_sample.prompts, -4, "training problems", args)
+        scores, _ = score(texts, [r for r in train_sample.rows for _ in range(args.eval_samples)], False)
+        logged["eval/train_score"] = float(np.mean(scores))
+    logged.update(more() if more else {})
+    logged["time/eval"] = time.time() - t0
+    log_scalars(writer, logged, step)
+    return logged["eval/mean_score"]
+
+
+def evaluating(step: int, last_step: int, args) -> bool:
+    """Evaluate before training, every --eval-every steps and after the last step."""
+    return bool(args.eval_every) and (step % args.eval_every == 0 or step == last_step)
+
+
+def train_sample(n_problems: int, args) -> list[int]:
+    """The fixed, seeded sample of training problems evaluated like the held-out ones (eval/train_score)."""
+    if not args.eval_every:
+        return []
+    return sorted(random.Random(args.seed).sample(range(n_problems), min(args.train_eval_problems, n_problems)))
+
+
+def start_run(args) -> tuple[int, torch.device, Path | None, dict | None, str]:
+    """Rank, device, the checkpoint to resume (with its state) and the run name; seeds Python, NumPy and torch.
+    One process per GPU under torchrun, each holding all of the algorithm's state (common/parallel.py)."""
+    rank, world, device = parallel.init()
+    if rank == 0 and world > 1:
         print(f"{world} ranks, one {device.type} each", flush=True)
-    resume_dir = dist.find_checkpoint(args.resume) if args.resume else None
-    ckpt = dist.read_state(resume_dir) if resume_dir else None
+    resume_dir = parallel.find_checkpoint(args.resume) if args.resume else None
+    ckpt = parallel.read_state(resume_dir) if resume_dir else None
     run_name = args.run_name or (ckpt["run_name"] if ckpt else f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    run_name = dist.from_rank0(run_name)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
+    return rank, device, resume_dir, ckpt, parallel.from_rank0(run_name)
 
-    # --- data (fail fast, one sentence) ---
-    train_fields = [args.problem_field] + ([args.answer_field] if args.reward == "verifier" else [])
-    eval_fields = [args.problem_field] + ([args.eval_answer_field] if args.reward == "verifier" else [])
-    train_rows = load_rows(args.dataset, args.dataset_split, train_fields, args.train_limit)
-    eval_rows = load_rows(args.eval_dataset, args.eval_split, eval_fields, args.eval_limit) if args.eval_every else []
 
-    # --- the judge: one real grading request before any model is loaded (fail fast, one sentence) ---
-    judge = None
-    if args.reward == "judge":
-        judge = Judge(JudgeConfig(args.judge_base_url, args.judge_model, args.judge_api_key_env,
-                                  args.judge_max_concurrency, args.judge_timeout_s, args.judge_max_retries,
-                                  temperature=args.judge_temperature, max_tokens=args.judge_max_tokens))
-        if master:
-            print(f"checking the judge {args.judge_model} at {args.judge_base_url} with one real grading request...",
-                  flush=True)
-        if (err := judge.check()) is not None:
-            raise SystemExit(f"the judge {args.judge_model} at {args.judge_base_url} failed a grading request with "
-                             f"the run's settings (max_tokens {args.judge_max_tokens}, temperature "
-                             f"{args.judge_temperature}): {err}")
+def load_policy(args, device, resume_dir: Path | None):
+    """(model path, config, tokenizer, trainer): fp32 master weights, FSDP2-sharded under a process group
+    (common/parallel.py), gradient checkpointing on GPU; an unreachable model stops the run in one sentence."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    # --- models: the trainer (plain transformers, FSDP2-sharded under a process group) and the engine (vLLM) ---
     model_path = resolve_model(args.model)
     try:
         config = AutoConfig.from_pretrained(model_path)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tok = AutoTokenizer.from_pretrained(model_path)
     except Exception as e:
         raise SystemExit(f"could not load model {args.model!r}: {str(e).splitlines()[0][:300]}") from None
     model = AutoModelForCausalLM.from_pretrained(resume_dir / "policy" if resume_dir else model_path,
-                                                 dtype=torch.float32)  # fp32 master weights
+                                                 dtype=torch.float32)
     if device.type == "cuda" and args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    model = dist.shard(model, device)
-    ref_model = None
-    if args.kl_coef > 0:
-        ref_model = dist.shard(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), device).eval()
-        ref_model.requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")  # fused: no temporary
-    prompts = [encode_prompt(tokenizer, args.prompt_template, r[args.problem_field]) for r in train_rows]
-    eval_prompts = [encode_prompt(tokenizer, args.prompt_template, r[args.problem_field]) for r in eval_rows]
-    # a fixed sample of training problems, evaluated like the held-out ones (eval/train_score)
-    train_eval_rows = [train_rows[i] for i in sorted(random.Random(args.seed).sample(
-        range(len(train_rows)), min(args.train_eval_problems, len(train_rows))))] if args.eval_every else []
-    train_eval_prompts = [encode_prompt(tokenizer, args.prompt_template, r[args.problem_field])
-                          for r in train_eval_rows]
-    longest_prompt = max(map(len, prompts + eval_prompts))
-    eval_max_tokens = args.eval_max_tokens if args.eval_every else 0  # the engine's context need not hold it
-    peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
+    return model_path, config, tok, parallel.shard(model, device)
+
+
+def load_reference(model_path: str, device):
+    """The frozen initial policy, for a KL penalty."""
+    from transformers import AutoModelForCausalLM
+
+    ref = parallel.shard(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), device).eval()
+    return ref.requires_grad_(False)
+
+
+def adamw(model, lr: float, weight_decay: float, device) -> torch.optim.AdamW:
+    """AdamW, betas (0.9, 0.999), eps 1e-8; fused on GPU (no full-size temporary)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8,
+                             fused=device.type == "cuda")
+
+
+def start_engine(model_path: str, max_model_len: int, args, peaks, master: bool):
+    """The in-process vLLM engine (common/engine.py); memory/engine_start is its start-up's peak."""
     peaks.start()
     if master:
         print(f"starting the vLLM engine for {args.model} ...", flush=True)
-    llm = engine.create_engine(
-        model_path, max_model_len=longest_prompt + max(args.max_response_tokens, eval_max_tokens) + 8,
-        seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
-    )
+    llm = engine.create_engine(model_path, max_model_len=max_model_len, seed=args.seed,
+                               gpu_memory_utilization=args.gpu_memory_utilization)
     peaks.end("engine_start")
-    flops_A, flops_B = engine.decoding_flops_coefficients(config)
-    verifier = AnswerVerifier() if args.reward == "verifier" and args.dataset != "tiny" else None
+    return llm
 
-    # --- state that a checkpoint carries ---
-    start_step, k_entropy, total_flops, total_tokens = 0, args.entropy_k_init, 0, 0
+
+def open_writer(run_name: str, args, master: bool) -> SummaryWriter | None:
+    """TensorBoard under runs/<run_name> with the hyperparameters (rank 0 only; --track mirrors it to W&B)."""
+    if not master:
+        return None
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+        f"|{k}|{v!r}|" for k, v in vars(args).items()))
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
+    return writer
+
+
+def log_scalars(writer: SummaryWriter | None, scalars: dict[str, float], step: int) -> None:
+    if writer is not None:
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+
+
+def log_step(writer: SummaryWriter | None, step: int, scalars: dict[str, float], shown: list[str], args) -> None:
+    """This step's scalars, and a few sample completions as text every --log-completions-every steps."""
+    log_scalars(writer, scalars, step)
+    if writer is not None and args.log_completions_every and step % args.log_completions_every == 0:
+        writer.add_text("samples/completions", "\n\n".join(shown), step)
+
+
+def saving(step: int, last_step: int, args) -> bool:
+    """A checkpoint every --save-every steps and after the last one (--save-every 0: never)."""
+    return bool(args.save_every) and (step % args.save_every == 0 or step == last_step)
+
+
+def wake_up(llm, model, peaks) -> None:
+    """The engine serves the trainer's new weights from the next rollout on (sync, then the KV cache back)."""
+    peaks.start()
+    engine.wake_up(llm, model)
+    peaks.end("wake_up")
+
+
+class Clock:
+    """Wall-clock seconds of each phase of a step (time/<phase>) and of the whole step (charts/step_time)."""
+
+    def __init__(self):
+        self.start = self.last = time.time()
+        self.times: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.time()
+        self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + now - self.last
+        self.last = now
+
+    def scalars(self) -> dict[str, float]:
+        return {"charts/step_time": time.time() - self.start, **self.times}
+# ------------------------------------------------------------------------------------ end: the shared machinery
+
+
+def main(args: Args) -> dict:
+    rank, device, resume_dir, ckpt, run_name = start_run(args)
+    master = rank == 0
+
+    # --- data, judge, models and engine (each fails fast, with one sentence) ---
+    fields = [args.problem_field] + ([args.answer_field] if args.reward == "verifier" else [])
+    eval_fields = [args.problem_field] + ([args.eval_answer_field] if args.reward == "verifier" else [])
+    rows = load_rows(args.dataset, args.dataset_split, fields, args.train_limit)
+    eval_rows = load_rows(args.eval_dataset, args.eval_split, eval_fields, args.eval_limit) if args.eval_every else []
+    judge = start_judge(args, master) if args.reward == "judge" else None
+    model_path, config, tok, model = load_policy(args, device, resume_dir)
+    ref_model = load_reference(model_path, device) if args.kl_coef > 0 else None
+    optimizer = adamw(model, args.learning_rate, args.weight_decay, device)
+    train = Problems(rows, [encode_chat(tok, args.prompt_template.format(problem=r[args.problem_field]))
+                            for r in rows])
+    held_out = Problems(eval_rows, [encode_chat(tok, args.prompt_template.format(problem=r[args.problem_field]))
+                                    for r in eval_rows])
+    sample = train_sample(len(train.rows), args)
+    train_eval = Problems([train.rows[i] for i in sample], [train.prompts[i] for i in sample])
+    peaks = parallel.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
+    eval_max_tokens = args.eval_max_tokens if args.eval_every else 0  # the engine's context need not hold it
+    longest = max(map(len, train.prompts + held_out.prompts)) + max(args.max_response_tokens, eval_max_tokens) + 8
+    llm = start_engine(model_path, longest, args, peaks, master)
+    verifier = AnswerVerifier() if args.reward == "verifier" and args.dataset != "tiny" else None
+    score = partial(eval_scores, args=args, verifier=verifier, judge=judge)
+
+    # --- state a checkpoint carries ---
+    start_step, k_entropy = 0, args.entropy_k_init
+    counters = Counters(*engine.decoding_flops_coefficients(config))
     judge_streak = 0  # consecutive steps in which over half of the judge calls failed (not checkpointed)
     if ckpt:
-        dist.load_checkpoint(resume_dir, model, {"optimizer": optimizer},
-                             offload=("optimizer",) if args.offload_optimizer else ())
+        parallel.load_checkpoint(resume_dir, model, {"optimizer": optimizer},
+                                 offload=("optimizer",) if args.offload_optimizer else ())
         start_step, k_entropy = ckpt["step"], ckpt["entropy_k"]
-        total_flops, total_tokens = ckpt["decoding_flops"], ckpt["generated_tokens"]
+        counters.load_state_dict(ckpt)
         if master:
             print(f"resumed from {resume_dir} at step {start_step}")
     engine.sync_weights(llm, model)  # the engine serves exactly the trainer's (possibly resumed) weights
-
-    def save(at_step: int) -> Path:
-        return dist.save_checkpoint(Path(args.checkpoint_dir) / run_name, at_step, model, tokenizer,
-                                    {"optimizer": optimizer}, {"run_name": run_name, "entropy_k": k_entropy,
-                                    "decoding_flops": total_flops, "generated_tokens": total_tokens},
-                                    args.keep_checkpoints)
-
-    writer = SummaryWriter(f"runs/{run_name}") if master else None  # rank 0 logs
-    if master:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{k}|{v!r}|" for k, v in vars(args).items()))
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
-
-    def sample_for_eval(prompts_: list[list[int]], salt: int, label: str):
-        """The evaluation sampler on these prompts, the same seeds at every evaluation: (groups, texts)."""
-        params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
-                                 top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
-                                 seed=request_seed(args.seed, salt, i)) for i in range(len(prompts_))]
-        groups = engine.generate(llm, prompts_, params, progress=f"evaluation: {label}")
-        return groups, [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
-
-    def evaluate(step: int) -> float:
-        t0 = time.time()
-        groups, texts = sample_for_eval(eval_prompts, -1, "held-out problems")
-        rows = [r for r in eval_rows for _ in range(args.eval_samples)]
-        rewards, valid, points, _ = score_responses(args, texts, rows, verifier=verifier, judge=judge,
-                                                    evaluation=True)
-        score = float(np.mean(rewards))
+    writer = open_writer(run_name, args, master)
+    last_eval = float("nan")
+    if start_step == 0 and args.eval_every:
+        last_eval = evaluate(0, llm, tok, held_out, train_eval, score, args, writer)
         if master:
-            writer.add_scalar("eval/mean_score", score, step)
-            if args.reward == "judge":
-                writer.add_scalar("eval/pass_rate", float(np.mean([(p or 0) >= 6 for p in points])), step)
-                writer.add_scalar("eval/judge_invalid", float(np.mean([not v for v in valid])), step)
-            writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])),
-                              step)
-        if train_eval_prompts:  # the same sampling on training problems: the train / held-out gap
-            _, texts = sample_for_eval(train_eval_prompts, -4, "training problems")
-            rows = [r for r in train_eval_rows for _ in range(args.eval_samples)]
-            train_score = float(np.mean(score_responses(args, texts, rows, verifier=verifier, judge=judge)[0]))
-            if master:
-                writer.add_scalar("eval/train_score", train_score, step)
-        if master:
-            writer.add_scalar("time/eval", time.time() - t0, step)
-        return score
-
-    last_eval = evaluate(0) if args.eval_every and start_step == 0 else float("nan")
-    if start_step == 0 and master:
-        print(f"step 0 | eval {last_eval:.3f}")
+            print(f"step 0 | eval {last_eval:.3f}")
 
     for step in range(start_step + 1, args.num_steps + 1):
-        t_step = time.time()
-        # 1. sample G complete responses for each of B problems
-        t0 = time.time()
-        batch_idx = problems_for_step(len(train_rows), args.problems_per_step, step, args.seed)
-        params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                 max_tokens=args.max_response_tokens, logprobs=0,
-                                 seed=request_seed(args.seed, step, j)) for j in range(len(batch_idx))]
-        peaks.start()
-        groups = engine.generate(llm, [prompts[i] for i in batch_idx], params)
-        peaks.end("rollout")
+        clock = Clock()
+        # 1. sample G complete responses for each of B problems: every rollout runs to its end (lambda = 1)
+        batch = problems_for_step(len(train.rows), args.problems_per_step, step, args.seed)
+        samples = sample_responses(llm, train, batch, step, args, peaks)
         engine.sleep(llm, args.vllm_sleep_level)
-        samples = [(i, c) for i, g in zip(batch_idx, groups) for c in g]  # group-major: G rows per problem
-        new_tokens = [len(c.token_ids) for _, c in samples]
-        t_generate = time.time() - t0
-
-        # 2. score every response; a judge that fails most calls step after step stops the run, with the
-        #    state before this step saved, rather than train the policy on its zeros
-        t0 = time.time()
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in samples]
-        rewards, valid, _, calls = score_responses(args, texts, [train_rows[i] for i, _ in samples], verifier=verifier,
-                                                   judge=judge)
-        judge_streak, warning = judge_failure_streak(calls, judge_streak)
-        if warning and master:
-            print(f"warning: step {step}: {warning}", flush=True)
-        if judge_streak >= args.judge_max_invalid_steps:
-            path = save(step - 1)
-            raise SystemExit(f"stopped: more than half of the judge's calls failed in {judge_streak} consecutive "
-                             f"steps (last: {warning}). The state before step {step} is saved in {path}; fix the "
-                             f"judge, then continue with --resume {path}")
-        total_tokens += sum(new_tokens)
-        total_flops += sum(engine.decoding_flops(flops_A, flops_B, len(prompts[i]), len(c.token_ids))
-                           for i, c in samples)
-        rewards_t = torch.tensor(rewards, dtype=torch.float32)
-        advantages = group_advantages(rewards_t, args.group_size, args.std_normalize)
-        t_score = time.time() - t0
-
-        # 3. old log-probabilities and entropies, recomputed by the trainer (logits / temperature), for the rows
-        #    this process trains (all of them with one process; row i goes to rank i % world under torchrun)
-        t0 = time.time()
-        seqs = [prompts[i] + c.token_ids for i, c in samples]
-        starts = [len(prompts[i]) for i, _ in samples]
-        lengths = [len(s) for s in seqs]
-        old_logps, ref_logps, entropies = {}, {}, {}
-        model.eval()
-        peaks.start()
-        with torch.no_grad(), autocast(device):
-            for mb in dist.even(make_micro_batches(dist.mine(range(len(samples))), lengths, args.micro_batch_tokens)):
-                if not mb:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
-                    dist.idle_pass(model)
-                    if ref_model is not None:
-                        dist.idle_pass(ref_model)
-                    continue
-                ids = pad_batch([seqs[i] for i in mb], tokenizer.pad_token_id, device)
-                mb_starts, mb_lens = [starts[i] for i in mb], [new_tokens[i] for i in mb]
-                lp, ent = sequence_logprobs(model, ids, mb_starts, mb_lens, args.temperature,
-                                            args.logprob_chunk_tokens, with_entropy=True)
-                ref = sequence_logprobs(ref_model, ids, mb_starts, mb_lens, args.temperature,
-                                        args.logprob_chunk_tokens)[0] if ref_model else lp
-                for j, a, b, c in zip(mb, lp.split(mb_lens), ent.split(mb_lens), ref.split(mb_lens)):
-                    old_logps[j], entropies[j], ref_logps[j] = a, b, c
-        peaks.end("old_logprobs")
-        mine = sorted(old_logps)
-        trainer_lp = torch.cat([old_logps[i] for i in mine] or [torch.zeros(0)]).float().cpu()
-        vllm_lp = torch.tensor([x for i in mine for x in samples[i][1].logprobs])
-        log_ratio = trainer_lp - vllm_lp  # trainer vs sampler on the sampled tokens
-        mismatch_kl = dist.mean_all(torch.exp(log_ratio) - 1 - log_ratio)
-        mismatch_max = dist.max_all(float(log_ratio.abs().max()) if len(log_ratio) else 0.0)
-        mean_entropy = dist.mean_all(torch.cat([entropies[i] for i in mine] or [torch.zeros(0)]).float().cpu())
-        # 4. adaptive entropy control, once per step before the update (every GRPO row has an empty prefix)
-        if args.entropy_control:
-            k_entropy = update_entropy_offset(k_entropy, mean_entropy, args)
+        clock.lap("generate")
+        # 2. score every response; a judge that fails most calls step after step stops the run
+        texts = [tok.decode(s.completion.token_ids, skip_special_tokens=True) for s in samples]
+        rewards, valid, _, calls = score_responses(args, texts, [train.rows[s.problem] for s in samples], verifier,
+                                                   judge)
+        judge_streak = watch_judge(calls, judge_streak, step, args.judge_max_invalid_steps, master, partial(
+            save, step - 1, model, tok, optimizer, run_name, k_entropy, counters, args))
+        counters.add_samples(samples)
+        # 3. A_i = R_i - mean_j R_j (/ std), on every token of response i
+        rows = training_rows(samples, group_advantages(rewards, args.group_size, args.std_normalize))
+        clock.lap("score")
+        # 4. old log-probabilities, recomputed by the trainer; Eq. 9's entropy control, once per step
+        old_logprobs(model, rows, args.temperature, args, peaks, ref_model)
+        entropy = sampled_entropy(rows)
+        k_entropy = update_entropy_offset(k_entropy, entropy, args) if args.entropy_control else k_entropy
         clip_high = args.clip_high + (k_entropy if args.entropy_control else 0.0)
-
-        # 5. PPO update: one epoch, num_minibatches consecutive minibatches, each one optimizer step. Loss
-        #    denominators count the whole minibatch, so each rank's share adds up to the one-process loss.
-        model.train()
-        stats = {"policy_loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "clip_dual": 0.0, "approx_kl": 0.0,
-                 "kl_ref": 0.0}
-        grad_norms, skipped = [], 0
-        n = len(samples)
-        for m in range(args.num_minibatches):
-            mb_idx = [i for i in range(m * n // args.num_minibatches, (m + 1) * n // args.num_minibatches)
-                      if new_tokens[i] > 0]
-            if not mb_idx:
-                continue
-            denom = sum(new_tokens[i] for i in mb_idx) if args.loss_agg == "token-mean" else len(mb_idx)
-            optimizer.zero_grad(set_to_none=True)
-            peaks.start()
-            for micro in dist.even(make_micro_batches(dist.mine(mb_idx), lengths, args.micro_batch_tokens)):
-                if not micro:
-                    dist.idle_pass(model)
-                    continue
-                ids = pad_batch([seqs[i] for i in micro], tokenizer.pad_token_id, device)
-                with autocast(device):
-                    logp, _ = sequence_logprobs(model, ids, [starts[i] for i in micro], [new_tokens[i] for i in micro],
-                                                args.temperature, args.logprob_chunk_tokens)
-                old = torch.cat([old_logps[i] for i in micro])
-                adv = torch.cat([advantages[i].expand(new_tokens[i]) for i in micro]).to(device)
-                tok_loss, st = ppo_loss(logp, old, adv, args.clip_low, clip_high, args.dual_clip)
-                if ref_model is not None:  # k3 estimator of KL(pi || pi_ref), per token
-                    d = torch.cat([ref_logps[i] for i in micro]) - logp
-                    kl = torch.exp(d) - d - 1
-                    tok_loss = tok_loss + args.kl_coef * kl
-                    stats["kl_ref"] += float(kl.detach().sum()) / sum(new_tokens)
-                loss = aggregate_loss(tok_loss, [new_tokens[i] for i in micro], args.loss_agg, denom)
-                loss.backward()
-                stats["policy_loss"] += float(loss.detach()) / args.num_minibatches
-                for key in ("clip_low", "clip_high", "clip_dual", "approx_kl"):
-                    stats[key] += float(st[key].detach().float().sum()) / sum(new_tokens)
-            peaks.end("backward")
-            grad_norm = dist.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-            if torch.isfinite(grad_norm):
-                peaks.start()
-                dist.step(optimizer, device, args.offload_optimizer)
-                peaks.end("optimizer_step")
-            else:  # a non-finite gradient would poison the weights; skip this minibatch's step
-                skipped += 1
-            grad_norms.append(float(grad_norm))
-        model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
-        stats = {k: dist.sum_all(v) for k, v in stats.items()}  # each rank summed its own rows
-        t_train = time.time() - t0
-
+        # 5. PPO update, one optimizer step per minibatch
+        losses = ppo_update(model, optimizer, rows, partial(micro_batch_loss, clip_high=clip_high, args=args),
+                            STATS + (("kl_ref",) if args.kl_coef > 0 else ()), args, peaks)
+        clock.lap("train")
         # 6. the engine serves the new weights from the next rollout on
-        t0 = time.time()
-        peaks.start()
-        engine.wake_up(llm, model)
-        peaks.end("wake_up")
-        t_sync = time.time() - t0
-
-        # 7. log (rank 0)
-        r = rewards_t.view(-1, args.group_size)
-        scalars = {
-            "charts/decoding_flops": total_flops, "charts/generated_tokens": total_tokens,
-            "charts/step_time": time.time() - t_step, "charts/learning_rate": args.learning_rate,
-            "train/reward_mean": float(rewards_t.mean()), "train/reward_std": float(rewards_t.std()) if n > 1 else 0.0,
-            "train/zero_std_frac": float((r.std(dim=1) == 0).float().mean()) if args.group_size > 1 else 1.0,
-            "train/judge_invalid": float(np.mean([not v for v in valid])),
-            "train/response_len_mean": float(np.mean(new_tokens)), "train/response_len_min": min(new_tokens),
-            "train/response_len_max": max(new_tokens),
-            "train/truncated_frac": float(np.mean([c.truncated for _, c in samples])),
-            "losses/policy_loss": stats["policy_loss"],
-            "losses/clipfrac": stats["clip_low"] + stats["clip_high"],
-            "losses/clipfrac_low": stats["clip_low"], "losses/clipfrac_high": stats["clip_high"],
-            "losses/clipfrac_dual": stats["clip_dual"], "losses/approx_kl": stats["approx_kl"],
-            "losses/entropy": mean_entropy, "losses/eps_high": clip_high,
-            "losses/grad_norm": float(np.mean(grad_norms)),
-            "losses/skipped_steps": skipped, "sampling/mismatch_kl": mismatch_kl, "sampling/mismatch_max": mismatch_max,
-            "time/generate": t_generate, "time/score": t_score, "time/train": t_train, "time/sync": t_sync,
-        }
-        if ref_model is not None:
-            scalars["losses/kl_ref"] = stats["kl_ref"]
-        scalars.update(peaks.pop())
+        wake_up(llm, model, peaks)
+        clock.lap("sync")
+        # 7. log, evaluate, checkpoint
+        scalars = {**counters.scalars(), **step_scalars(rewards, valid, samples, args), **losses, "losses/entropy":
+                   entropy, "losses/eps_high": clip_high, **sampler_gap(rows), **clock.scalars(), **peaks.pop()}
+        log_step(writer, step, scalars, [f"**reward {rewards[j]:.2f}**\n```\n{texts[j][-2000:]}\n```"
+                                         for j in range(min(4, len(texts)))], args)
+        if evaluating(step, args.num_steps, args):
+            last_eval = evaluate(step, llm, tok, held_out, train_eval, score, args, writer)
         if master:
-            for key, value in scalars.items():
-                writer.add_scalar(key, value, step)
-            if args.log_completions_every and step % args.log_completions_every == 0:
-                shown = "\n\n".join(f"**reward {rewards[j]:.2f}**\n```\n{texts[j][-2000:]}\n```"
-                                     for j in range(min(4, n)))
-                writer.add_text("samples/completions", shown, step)
-        if args.eval_every and (step % args.eval_every == 0 or step == args.num_steps):
-            last_eval = evaluate(step)
-        if master:
-            print(f"step {step}/{args.num_steps} | reward {scalars['train/reward_mean']:.3f} | eval {last_eval:.3f} | "
-                  f"len {scalars['train/response_len_mean']:.0f} | kl {mismatch_kl:.1e} | gen {t_generate:.1f}s "
-                  f"score {t_score:.1f}s train {t_train:.1f}s sync {t_sync:.2f}s", flush=True)
+            print(progress_line(step, scalars, last_eval, clock, args), flush=True)
+        if saving(step, args.num_steps, args):
+            save(step, model, tok, optimizer, run_name, k_entropy, counters, args)
 
-        # 8. checkpoint
-        if args.save_every and (step % args.save_every == 0 or step == args.num_steps):
-            path = save(step)
-            if master:
-                print(f"saved {path}")
-
-    if master:
+    if writer is not None:
         writer.close()
     if verifier is not None:
         verifier.close()

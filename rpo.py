@@ -1,4 +1,4 @@
-"""RPO: Replay-based Policy Optimization (Yi et al., arXiv 2601.19404; spec/rpo.md).
+"""RPO: Replay-based Policy Optimization (Yi et al., arXiv 2601.19404; docs/rpo.md).
 
 Every training problem keeps one cached answer a_k. Each step, for each problem, draw m ~ U{1..L}, keep the
 cached answer minus its last m tokens as a shared prefix, and sample G continuations of at most m new tokens
@@ -14,11 +14,13 @@ Only sampling and the reward change: the objective is GRPO's (or DAPO's), Eqs. 5
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import random
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -29,12 +31,12 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
-from common import dist, engine
+from common import engine, parallel
 from common.data import load_rows
 from common.judges import AnswerVerifier, extract_final_answer
 from common.tiny import resolve_model, tiny_reward
 
-OPEN_RS_PROMPT = (  # open-rs style: think first, answer in \boxed{} (spec/rpo.md "Defaults")
+OPEN_RS_PROMPT = (  # open-rs style: think first, answer in \boxed{} (the paper's Section 4.1)
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. The "
     "assistant first thinks about the reasoning process in the mind and then provides the user with the answer, "
     "and put your final answer within \\boxed{{}}.\n\n{problem}"
@@ -217,9 +219,9 @@ def tiny_args() -> Args:
     )
 
 
-# ----------------------------------------------------------------------------------------------------
-# RPO's rules
-# ----------------------------------------------------------------------------------------------------
+# ====================================================================================================
+# ALGO LOGIC: RPO's rules, its loss and the stages of its step (what a fork changes)
+# ====================================================================================================
 def length_aware_reward(correct, lengths, alpha: float, m: float, M: float, ref: str = "group") -> list[float]:
     """Eq. 11 on one group: R_i = clip(r_i * sigmoid(alpha * (l_ref - len_i)), m, M) for correct responses,
     0 for wrong ones (the released code; read literally, clip(0, m, M) would pay wrong answers m).
@@ -277,21 +279,239 @@ def lr_factor(step: int, warmup: int, total: int, min_rate: float) -> float:
     return min_rate + (1 - min_rate) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+def grpo_advantages(rewards, group_size: int) -> torch.Tensor:
     """Eq. 6: (R_i - mean R) / std R per group (unbiased std + 1e-4, as TRL; equal rewards give 0).
     DAPO normalises the same way; it differs in aggregation, clip-higher and the absent KL."""
-    r = rewards.view(-1, group_size)
+    r = torch.as_tensor(rewards, dtype=torch.float32).view(-1, group_size)
     adv = r - r.mean(dim=1, keepdim=True)
     return (adv / (r.std(dim=1, keepdim=True) + 1e-4) if group_size > 1 else adv).reshape(-1)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Shared machinery, as in grpo.py (repeated on purpose: each script reads on its own)
-# ----------------------------------------------------------------------------------------------------
-def request_seed(*keys: int) -> int:
-    return int(np.random.SeedSequence([abs(k) for k in keys]).generate_state(1)[0] >> 1)
+def verify(texts: list[str], rows: list[dict], field: str, tiny: bool, verifier) -> list[float]:
+    """r in {0, 1} on the full response: math-verify (gold first), or the tiny task's own verifier."""
+    if tiny:
+        return [tiny_reward(t, r["answer"]) for t, r in zip(texts, rows)]
+    return verifier.verify([str(r[field]) for r in rows], [extract_final_answer(t) for t in texts])
 
 
+def eval_scores(texts: list[str], rows: list[dict], held_out: bool, args: Args, verifier):
+    """Evaluation's scores: accuracy from scratch (no cached prefix), held-out or on training problems."""
+    if held_out:
+        return verify(texts, rows, args.eval_answer_field, args.eval_dataset == "tiny", verifier), {}
+    return verify(texts, rows, args.answer_field, args.dataset == "tiny", verifier), {}
+
+
+@dataclasses.dataclass
+class AnswerCache:
+    """The cache pool (Section 3.1): one answer per training problem, right or wrong, and what RPO tracks of it."""
+
+    answers: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # problem -> cached answer token ids
+    correct: dict[int, float] = dataclasses.field(default_factory=dict)
+    finished: dict[int, bool] = dataclasses.field(default_factory=dict)  # has a final answer (else only cut shorter)
+    previous_shortest: dict[int, int] = dataclasses.field(default_factory=dict)  # L's statistic, per problem
+
+    def put(self, problem: int, answer: list[int], correct: float, text: str) -> None:
+        self.answers[problem], self.correct[problem] = list(answer), correct
+        self.finished[problem] = extract_final_answer(text) is not None
+
+    def state_dict(self) -> dict:
+        return {"cache": self.answers, "cache_correct": self.correct, "cache_finished": self.finished,
+                "previous_shortest": self.previous_shortest}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.answers, self.correct, self.finished = s["cache"], s["cache_correct"], s["cache_finished"]
+        self.previous_shortest = s["previous_shortest"]
+
+
+def first_answers(llm, tok, train: Problems, problems: list[int], step: int, cache: AnswerCache, counters: Counters,
+                  args: Args, verifier) -> None:
+    """Cache pool initialisation (Section 3.1, Eq. 1): one answer per problem from the current policy, right or
+    wrong, counted in charts/decoding_flops. Eager: every problem before step 1; lazy: on first visit."""
+    from vllm import SamplingParams
+
+    if not problems:
+        return
+    params = [SamplingParams(temperature=args.cache_init_temperature, top_p=args.cache_init_top_p,
+                             max_tokens=cache_init_limit(args), seed=request_seed(args.seed, -2, step, p))
+              for p in problems]
+    answers = engine.generate(llm, [train.prompts[p] for p in problems], params, progress="the cache's first answers")
+    texts = [tok.decode(a[0].token_ids, skip_special_tokens=True) for a in answers]
+    rewards = verify(texts, [train.rows[p] for p in problems], args.answer_field, args.dataset == "tiny", verifier)
+    for p, a, r, t in zip(problems, answers, rewards, texts):
+        cache.put(p, a[0].token_ids, r, t)
+        counters.add(len(train.prompts[p]), len(a[0].token_ids))
+
+
+@dataclasses.dataclass
+class Truncation:
+    """One problem's replayed prefix this step: the cached answer minus its last m tokens, m ~ U{1..L}."""
+
+    problem: int
+    L: int
+    m: int
+    prefix: list[int]
+    budget: int  # new tokens per continuation
+
+
+def truncate(cache: AnswerCache, batch: list[int], args: Args, rng: np.random.Generator) -> list[Truncation]:
+    """Section 3.2, Eq. 3: one shared prefix per problem; the continuation budget is m (the released code) or the
+    rest of --max-response-tokens (project choice)."""
+    out = []
+    for p in batch:
+        answer = cache.answers[p]
+        L = truncation_limit(args, len(answer), cache.previous_shortest.get(p))
+        m = draw_truncation(L, len(answer), rng)
+        prefix = answer[: len(answer) - m]
+        budget = m if args.continuation_budget == "m" else args.max_response_tokens - len(prefix)
+        out.append(Truncation(p, L, m, prefix, budget))
+    return out
+
+
+def sample_tails(llm, train: Problems, cuts: list[Truncation], step: int, args: Args, peaks) -> list[Sample]:
+    """Eq. 4: G continuations of each shared prefix, group-major; the policy decodes only an answer's tail."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                             max_tokens=max(1, c.budget), logprobs=0, seed=request_seed(args.seed, step, j))
+              for j, c in enumerate(cuts)]
+    contexts = [train.prompts[c.problem] + c.prefix for c in cuts]
+    peaks.start()
+    groups = engine.generate(llm, contexts, params)
+    peaks.end("rollout")
+    return [Sample(c.problem, ctx, o) for c, ctx, group in zip(cuts, contexts, groups) for o in group]
+
+
+def shaped_rewards(correct: list[float], responses: list[list[int]], args: Args) -> list[float]:
+    """Section 3.4, Eq. 11, group by group, lengths in tokens of the full response (prefix + continuation)."""
+    shaped = []
+    for j in range(0, len(correct), args.group_size):
+        sl = slice(j, j + args.group_size)
+        shaped += length_aware_reward(correct[sl], [len(o) for o in responses[sl]], args.length_alpha,
+                                      args.length_min, args.length_max, args.length_ref)
+    return shaped
+
+
+def ppo_loss(logp, old_logp, adv, clip_low: float, clip_high: float):
+    """Per-token PPO/GRPO loss -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = exp(logp - old_logp) (Eq. 5),
+    plus which clip was active."""
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
+    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))
+    stats = {"clip_low": (adv < 0) & (ratio < 1 - clip_low), "clip_high": (adv > 0) & (ratio > 1 + clip_high),
+             "approx_kl": (ratio - 1) - torch.log(ratio)}  # k3 estimate of KL(old || new)
+    return loss, stats
+
+
+def training_rows(samples: list[Sample], cuts: list[Truncation], advantages: torch.Tensor,
+                  args: Args) -> list[TrainRow]:
+    """prompt + the full response o = prefix || continuation, with the loss on o or on the continuation only."""
+    rows = []
+    for j, (s, a) in enumerate(zip(samples, advantages)):
+        prefix = cuts[j // args.group_size].prefix
+        start, n = loss_span(len(s.context) - len(prefix), len(prefix), len(s.completion.token_ids),
+                             args.prefix_in_loss)
+        rows.append(TrainRow(s.context + s.completion.token_ids, start, n, float(a), sampled=s.completion.logprobs,
+                             prefix_len=len(prefix)))
+    return rows
+
+
+def micro_batch_loss(rows: list[TrainRow], logp, minibatch: list[TrainRow], args: Args):
+    """A micro-batch's share of its minibatch's loss (Eqs. 5-8): GRPO = per-sequence token mean, summed / the
+    minibatch's sequences, + beta * k3 KL; DAPO = token sum / the minibatch's tokens, clip-higher, no KL."""
+    dapo = args.objective == "dapo"
+    clip_high, kl_coef = (args.dapo_clip_high, 0.0) if dapo else (args.clip_high, args.kl_coef)
+    denom = sum(r.n for r in minibatch) if dapo else len(minibatch)
+    adv = torch.cat([torch.full((r.n,), r.advantage) for r in rows]).to(logp.device)
+    tok_loss, st = ppo_loss(logp, torch.cat([r.old_logp for r in rows]), adv, args.clip_low, clip_high)
+    sums = {key: float(v.detach().float().sum()) for key, v in st.items()}
+    if kl_coef > 0:  # k3 estimator of KL(pi || pi_ref)
+        d = torch.cat([r.ref_logp for r in rows]) - logp
+        kl = torch.exp(d) - d - 1
+        tok_loss = tok_loss + kl_coef * kl
+        sums["kl_ref"] = float(kl.detach().sum())
+    if dapo:
+        return tok_loss.sum() / denom, sums
+    return torch.stack([t.mean() for t in tok_loss.split([r.n for r in rows])]).sum() / denom, sums
+
+
+STATS = ("clip_low", "clip_high", "approx_kl", "kl_ref")  # what `micro_batch_loss` counts
+
+
+def update_cache(cache: AnswerCache, cuts: list[Truncation], responses, texts, correct, shaped, args: Args,
+                 rng: np.random.Generator) -> None:
+    """Section 3.3, Eq. 10, after the gradient update: every problem's entry is replaced by one of its group's
+    responses (prefix + continuation); and L's statistic, the group's shortest response, for its next visit."""
+    for j, c in enumerate(cuts):
+        sl = range(j * args.group_size, (j + 1) * args.group_size)
+        cache.previous_shortest[c.problem] = min(len(responses[i]) for i in sl)
+        if args.cache_update == "epsilon":
+            pick = sl[pick_cache_entry([shaped[i] for i in sl], args.cache_epsilon, rng)]
+            cache.put(c.problem, responses[pick], correct[pick], texts[pick])
+
+
+def step_scalars(cuts, samples, responses, correct, shaped, cache: AnswerCache, args: Args) -> dict:
+    """RPO's own logged quantities of one step."""
+    return {
+        "train/reward_mean": float(np.mean(shaped)), "train/accuracy": float(np.mean(correct)),
+        "train/response_len_mean": float(np.mean([len(o) for o in responses])),
+        "rpo/new_tokens_per_sample": float(np.mean([len(s.completion.token_ids) for s in samples])),
+        "rpo/m_mean": float(np.mean([c.m for c in cuts])), "rpo/L_mean": float(np.mean([c.L for c in cuts])),
+        "rpo/prefix_len_mean": float(np.mean([len(c.prefix) for c in cuts])),
+        "rpo/reward_before_shaping": float(np.mean(correct)), "rpo/reward_after_shaping": float(np.mean(shaped)),
+        "rpo/cache_correct_frac": float(np.mean(list(cache.correct.values()))),
+        "rpo/cache_len_mean": float(np.mean([len(a) for a in cache.answers.values()])),
+        # entries without a final answer: with a continuation budget of m their groups can never score
+        "rpo/cache_unfinished_frac": 1.0 - float(np.mean(list(cache.finished.values()))),
+        "rpo/zero_std_frac": float((torch.tensor(shaped, dtype=torch.float32).view(-1, args.group_size).std(dim=1)
+                                    == 0).float().mean()),
+    }
+
+
+def progress_line(step: int, last_step: int, scalars: dict, last_eval: float, clock: Clock) -> str:
+    t = clock.times
+    return (f"step {step}/{last_step} | reward {scalars['train/reward_mean']:.3f} acc "
+            f"{scalars['train/accuracy']:.3f} | eval {last_eval:.3f} | new tok/sample "
+            f"{scalars['rpo/new_tokens_per_sample']:.1f} | cache correct {scalars['rpo/cache_correct_frac']:.2f} | "
+            f"gen {t['time/generate']:.1f}s train {t['time/train']:.1f}s")
+
+
+def save(step: int, model, tok, optimizer, schedule, run_name: str, cache: AnswerCache, counters: Counters,
+         args: Args) -> Path:
+    """A checkpoint of everything the run carries, as of the end of step `step`."""
+    state = {"run_name": run_name, "schedule": schedule.state_dict(), **cache.state_dict(), **counters.state_dict()}
+    return parallel.save_checkpoint(Path(args.checkpoint_dir) / run_name, step, model, tok, {"optimizer": optimizer},
+                                    state, args.keep_checkpoints)
+
+
+# ====================================================================================================
+# TRY NOT TO MODIFY: the PPO update. Identical in grpo.py, rpo.py and ccr.py (tests/test_shared_blocks.py; ac2.py
+# puts its critic step between two minibatches, so it calls `train_minibatch` itself)
+# ====================================================================================================
+def ppo_update(model, optimizer, rows: list[TrainRow], micro_batch_loss, stats: tuple[str, ...], args,
+               peaks) -> dict[str, float]:
+    """One epoch over the rows in --num-minibatches consecutive minibatches (no shuffle), one optimizer step each,
+    around the script's own loss: `micro_batch_loss(rows, logp, minibatch)` is one micro-batch's share of its
+    minibatch's loss, with the counts of `stats` (the losses/* keys). Loss denominators count the whole minibatch,
+    so each rank's share adds up to the one-process loss."""
+    model.train()
+    totals, grad_norms, skipped = collections.Counter(), [], 0
+    for mb in minibatches(rows, args.num_minibatches):
+        if not mb:
+            continue
+        loss = partial(micro_batch_loss, minibatch=[rows[i] for i in mb])
+        result = train_minibatch(model, optimizer, rows, mb, loss, args.temperature, args.max_grad_norm, args, peaks,
+                                 args.offload_optimizer)
+        totals.update(result.sums)
+        totals["policy_loss"] += result.loss / args.num_minibatches
+        grad_norms.append(result.grad_norm)
+        skipped += not result.stepped
+    model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
+    return update_scalars(totals, grad_norms, skipped, rows, stats)
+# ----------------------------------------------------------------------------------------------- end: the PPO update
+
+
+# ====================================================================================================
+# TRY NOT TO MODIFY: the data order. Identical in grpo.py and rpo.py (tests/test_shared_blocks.py)
+# ====================================================================================================
 def problems_for_step(n_rows: int, per_step: int, step: int, seed: int) -> list[int]:
     """Row indices of step `step` (1-based): consecutive slices of seeded per-epoch permutations."""
     out, pos = [], (step - 1) * per_step
@@ -303,18 +523,101 @@ def problems_for_step(n_rows: int, per_step: int, step: int, seed: int) -> list[
         out += perm[offset : offset + take]
         pos += take
     return out
+# -------------------------------------------------------------------------------------- end: the data order
 
 
-def encode_prompt(tokenizer, template: str, problem: str) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": template.format(problem=problem)}], tokenize=False, add_generation_prompt=True
-    )
+# ====================================================================================================
+# TRY NOT TO MODIFY: the shared machinery. Identical in grpo.py, ac2.py, rpo.py and ccr.py
+# (tests/test_shared_blocks.py): sampling records, log-probabilities, the update around each script's own
+# loss, evaluation, set-up, logging.
+# ====================================================================================================
+@dataclasses.dataclass
+class Problems:
+    """A set of problems: the data set's rows and their tokenized prompts."""
+
+    rows: list[dict]
+    prompts: list[list[int]]
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sampled continuation of a prompt (+ prefix): which problem, the tokens before it, what was sampled."""
+
+    problem: int  # its index among the training problems (CCR: the pack's, in this step's batch)
+    context: list[int]  # prompt (+ replayed prefix) token ids
+    completion: engine.Completion
+
+
+@dataclasses.dataclass
+class TrainRow:
+    """One sequence the trainer scores: loss on the n tokens of `ids` from position `start` on.
+
+    `sampled`: the engine's sampling log-probabilities of the tokens it drew this step, the last len(sampled)
+    loss tokens (the sampler / trainer gap is measured on them). `weight`: the row's weight in its loss; 0 leaves
+    it out of the update (its tokens still count in the update's statistics). The old log-probabilities, the
+    entropies and the reference's log-probabilities are filled in by `old_logprobs`, on the rank that trains it.
+    """
+
+    ids: list[int]
+    start: int
+    n: int
+    advantage: float = 0.0
+    weight: float = 1.0
+    sampled: list[float] = dataclasses.field(default_factory=list)
+    prefix_len: int = 0  # tokens of a replayed prefix after the prompt (AC2, RPO); 0: a response to the prompt alone
+    old_logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Counters:
+    """The cumulative counts every script logs and checkpoints (charts/decoding_flops, charts/generated_tokens)."""
+
+    flops_A: int
+    flops_B: int
+    decoding_flops: int = 0
+    generated_tokens: int = 0
+
+    def add(self, context_len: int, new_tokens: int) -> None:
+        """One policy rollout of `new_tokens` after `context_len` tokens (AC2 paper, Eq. 6)."""
+        self.decoding_flops += engine.decoding_flops(self.flops_A, self.flops_B, context_len, new_tokens)
+        self.generated_tokens += new_tokens
+
+    def add_samples(self, samples: list[Sample]) -> None:
+        for s in samples:
+            self.add(len(s.context), len(s.completion.token_ids))
+
+    def scalars(self) -> dict[str, int]:
+        return {"charts/decoding_flops": self.decoding_flops, "charts/generated_tokens": self.generated_tokens}
+
+    def state_dict(self) -> dict:
+        return {"decoding_flops": self.decoding_flops, "generated_tokens": self.generated_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decoding_flops, self.generated_tokens = state["decoding_flops"], state["generated_tokens"]
+
+
+def request_seed(*keys: int) -> int:
+    """A sampling seed per (run seed, step, request): resumed runs sample exactly what straight runs did."""
+    return int(np.random.SeedSequence([abs(k) for k in keys]).generate_state(1)[0] >> 1)
+
+
+def encode_chat(tokenizer, message: str) -> list[int]:
+    """A chat-templated user turn + the generation prompt (for thinking models it opens `<think>`)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _chunk_logprobs(hidden, targets, weight, bias, temperature: float):
-    logits = F.linear(hidden, weight, bias).float() / temperature
-    return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+def _chunk_logprobs(hidden, targets, weight, bias, temperature: float, with_entropy: bool):
+    logits = F.linear(hidden, weight, bias).float() / temperature  # [chunk, vocab], never [tokens, vocab]
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None])[:, 0] - logz
+    if not with_entropy:
+        return logp, None
+    entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
 
 
 def final_hidden_states(model, input_ids):
@@ -329,30 +632,31 @@ def final_hidden_states(model, input_ids):
     return out["h"]
 
 
-def sequence_logprobs(model, input_ids, starts, lengths, temperature: float, chunk: int):
-    """Log-probs of input_ids[b, starts[b] : starts[b] + lengths[b]], LM head in checkpointed chunks."""
+def sequence_logprobs(model, input_ids, starts, lengths, temperature: float, chunk: int, with_entropy=False):
+    """Log-probabilities (and entropies) of tokens input_ids[b, starts[b] : starts[b]+lengths[b]].
+
+    Right-padded batch, plain positions 0..n-1 as vLLM saw them. Only the hidden states of the needed
+    positions go through the LM head, `chunk` positions at a time; with gradients on, each chunk is
+    checkpointed so its logits are recomputed in the backward pass instead of kept.
+    Returns flat tensors over the selected tokens, in batch order.
+    """
     hidden = final_hidden_states(model, input_ids)
     rows = torch.cat([torch.full((n,), b, dtype=torch.long) for b, n in enumerate(lengths)]).to(input_ids.device)
     cols = torch.cat([torch.arange(s - 1, s - 1 + n) for s, n in zip(starts, lengths)]).to(input_ids.device)
-    h, targets = hidden[rows, cols], input_ids[rows, cols + 1]
+    h, targets = hidden[rows, cols], input_ids[rows, cols + 1]  # position t predicts token t+1
     head = model.get_output_embeddings()
-    out = []
+    logps, ents = [], []
     for i in range(0, h.shape[0], chunk):
-        fn_args = (h[i : i + chunk], targets[i : i + chunk], head.weight, head.bias, temperature)
-        out.append(checkpoint(_chunk_logprobs, *fn_args, use_reentrant=False) if torch.is_grad_enabled()
-                   else _chunk_logprobs(*fn_args))
-    return torch.cat(out)
-
-
-def clipped_surrogate(logp, old_logp, adv, clip_low: float, clip_high: float):
-    """Per-token PPO/GRPO loss -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = exp(logp - old_logp) (Eq. 5)."""
-    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
-    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))
-    clipped = ((adv < 0) & (ratio < 1 - clip_low)) | ((adv > 0) & (ratio > 1 + clip_high))
-    return loss, clipped, (ratio - 1) - torch.log(ratio)
+        fn_args = (h[i : i + chunk], targets[i : i + chunk], head.weight, head.bias, temperature, with_entropy)
+        lp, ent = checkpoint(_chunk_logprobs, *fn_args, use_reentrant=False) if torch.is_grad_enabled() \
+            else _chunk_logprobs(*fn_args)
+        logps.append(lp)
+        ents.append(ent)
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
 def make_micro_batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Greedy packing, longest first, so that (rows x longest row) <= budget tokens (one row may exceed it)."""
     order = sorted(indices, key=lambda i: -lengths[i])
     batches, current = [], []
     for i in order:
@@ -363,8 +667,9 @@ def make_micro_batches(indices: list[int], lengths: list[int], budget: int) -> l
     return batches + ([current] if current else [])
 
 
-def pad_batch(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
-    out = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
+def pad_batch(seqs: list[list[int]], device) -> torch.Tensor:
+    """Right-padded token ids: causal attention never lets a real token see the pads after it, so any id does."""
+    out = torch.zeros((len(seqs), max(map(len, seqs))), dtype=torch.long)
     for i, s in enumerate(seqs):
         out[i, : len(s)] = torch.tensor(s)
     return out.to(device)
@@ -376,32 +681,185 @@ def autocast(device):
     return torch.autocast("cpu", enabled=False)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------------------
-def main(args: Args) -> dict:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def old_logprobs(model, rows: list[TrainRow], temperature: float, args, peaks, ref_model=None) -> None:
+    """The trainer's log-probabilities (logits / T) and entropies of every row's loss tokens before the update --
+    and the frozen reference's, with `ref_model` -- for the rows this rank trains (all of them in one process;
+    row i: rank i % world under torchrun). The ratio's denominator is recomputed, not the engine's."""
+    device = next(model.parameters()).device
+    model.eval()
+    peaks.start()
+    with torch.no_grad(), autocast(device):
+        for micro in parallel.even(make_micro_batches(parallel.mine(range(len(rows))), [len(r.ids) for r in rows],
+                                                      args.micro_batch_tokens)):
+            if not micro:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
+                parallel.idle_pass(model)
+                if ref_model is not None:
+                    parallel.idle_pass(ref_model)
+                continue
+            batch = [rows[i] for i in micro]
+            ids, starts, ns = pad_batch([r.ids for r in batch], device), [r.start for r in batch], [r.n for r in batch]
+            lp, ent = sequence_logprobs(model, ids, starts, ns, temperature, args.logprob_chunk_tokens,
+                                        with_entropy=True)
+            ref = sequence_logprobs(ref_model, ids, starts, ns, temperature, args.logprob_chunk_tokens)[0] \
+                if ref_model is not None else None
+            for r, a, b, c in zip(batch, lp.split(ns), ent.split(ns), ref.split(ns) if ref is not None else ns):
+                r.old_logp, r.entropy, r.ref_logp = a, b, (c if ref is not None else None)
+    peaks.end("old_logprobs")
+
+
+def sampled_tokens(rows: list[TrainRow], field: str = "old_logp") -> torch.Tensor:
+    """This rank's rows' `old_logp` or `entropy` on the tokens the engine sampled, on the CPU, in row order."""
+    mine = [r for r in rows if r.old_logp is not None]
+    return torch.cat([getattr(r, field)[r.n - len(r.sampled):] for r in mine] or [torch.zeros(0)]).float().cpu()
+
+
+def sampled_entropy(rows: list[TrainRow]) -> float:
+    """The mean token entropy (at the sampling temperature, before the update) over the tokens the engine sampled,
+    all ranks together."""
+    return parallel.mean_all(sampled_tokens(rows, "entropy"))
+
+
+def sampler_gap(rows: list[TrainRow]) -> dict[str, float]:
+    """The engine's sampling log-probabilities against the trainer's old ones on the same tokens, over all ranks:
+    the k3 KL (`sampling/mismatch_kl`) and the largest gap (`sampling/mismatch_max`)."""
+    engine_lp = torch.tensor([x for r in rows if r.old_logp is not None for x in r.sampled])
+    log_ratio = sampled_tokens(rows) - engine_lp
+    return {"sampling/mismatch_kl": parallel.mean_all(torch.exp(log_ratio) - 1 - log_ratio),
+            "sampling/mismatch_max": parallel.max_all(float(log_ratio.abs().max()) if len(log_ratio) else 0.0)}
+
+
+def minibatches(rows: list[TrainRow], num_minibatches: int) -> list[list[int]]:
+    """One epoch in `num_minibatches` consecutive slices of the rows (no shuffle), without the rows that carry no
+    loss (no tokens, or weight 0); a slice may come out empty."""
+    n = len(rows)
+    return [[i for i in range(m * n // num_minibatches, (m + 1) * n // num_minibatches)
+             if rows[i].n > 0 and rows[i].weight > 0] for m in range(num_minibatches)]
+
+
+@dataclasses.dataclass
+class MinibatchResult:
+    loss: float  # the minibatch loss (all ranks)
+    sums: dict[str, float]  # the micro-batch loss's token counts, this rank's rows
+    grad_norm: float
+    stepped: bool  # False: a non-finite loss or gradient, and the step was skipped
+
+
+def train_minibatch(model, optimizer, rows: list[TrainRow], indices: list[int], micro_batch_loss, temperature: float,
+                    max_grad_norm: float, args, peaks, offload: bool,
+                    phases: tuple[str, str] = ("backward", "optimizer_step")) -> MinibatchResult:
+    """One optimizer step on the rows `indices`: this rank's share, in micro-batches of at most
+    --micro-batch-tokens padded tokens whose gradients accumulate; `micro_batch_loss(rows, logp)` is the script's
+    own loss, (this micro-batch's share of the minibatch loss, {name: token count}). Gradients clipped to
+    `max_grad_norm`; a non-finite loss or gradient would poison the weights, so that step is skipped. `phases`
+    name the memory/<phase> logs of the passes and of the optimizer step."""
+    device = next(model.parameters()).device
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, sums = 0.0, collections.Counter()
+    peaks.start()
+    for micro in parallel.even(make_micro_batches(parallel.mine(indices), [len(r.ids) for r in rows],
+                                                  args.micro_batch_tokens)):
+        if not micro:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
+            parallel.idle_pass(model)
+            continue
+        batch = [rows[i] for i in micro]
+        ids = pad_batch([r.ids for r in batch], device)
+        with autocast(device):
+            logp, _ = sequence_logprobs(model, ids, [r.start for r in batch], [r.n for r in batch], temperature,
+                                        args.logprob_chunk_tokens)
+        loss, counts = micro_batch_loss(batch, logp)
+        loss.backward()
+        loss_sum += float(loss.detach())
+        sums.update(counts)
+    peaks.end(phases[0])
+    loss_sum = parallel.sum_all(loss_sum)  # each rank summed its own rows
+    grad_norm = parallel.full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    stepped = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm))
+    if stepped:
+        peaks.start()
+        parallel.optimizer_step(optimizer, device, offload)
+        peaks.end(phases[1])
+    return MinibatchResult(loss_sum, dict(sums), float(grad_norm), stepped)
+
+
+LOSS_KEYS = {"clip_low": "losses/clipfrac_low", "clip_high": "losses/clipfrac_high",
+             "clip_dual": "losses/clipfrac_dual", "approx_kl": "losses/approx_kl", "kl_ref": "losses/kl_ref"}
+
+
+def update_scalars(totals: dict, grad_norms: list[float], skipped: int, rows: list[TrainRow],
+                   stats: tuple[str, ...]) -> dict[str, float]:
+    """The losses/* keys of one update: the policy loss (summed over minibatches by the caller), each count of
+    `stats` as a share of all the rows' loss tokens (all ranks together), losses/clipfrac = low + high, the mean
+    gradient norm before clipping and the steps skipped as non-finite."""
+    n_tok = max(sum(r.n for r in rows), 1)
+    out = {"losses/policy_loss": totals["policy_loss"]}
+    out.update({LOSS_KEYS[k]: parallel.sum_all(totals[k]) / n_tok for k in stats})  # each rank counted its own rows
+    out["losses/clipfrac"] = out["losses/clipfrac_low"] + out["losses/clipfrac_high"]
+    return {**out, "losses/grad_norm": float(np.mean(grad_norms or [0.0])), "losses/skipped_steps": skipped}
+
+
+def sample_for_eval(llm, tok, prompts: list[list[int]], salt: int, label: str, args):
+    """The evaluation sampler on these prompts, the same seeds at every evaluation: (texts, lengths)."""
     from vllm import SamplingParams
 
-    # one process per GPU under torchrun, each holding all of the algorithm's state (common/dist.py)
-    rank, world, device = dist.init()
-    master = rank == 0
-    if master and world > 1:
+    params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
+                             top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
+                             seed=request_seed(args.seed, salt, i)) for i in range(len(prompts))]
+    groups = engine.generate(llm, prompts, params, progress=f"evaluation: {label}")
+    return ([tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g],
+            [len(c.token_ids) for g in groups for c in g])
+
+
+def evaluate(step: int, llm, tok, held_out: Problems, train_sample: Problems, score, args, writer,
+             more=None) -> float:
+    """eval/mean_score on the held-out problems, --eval-samples each; the same sampling on a fixed sample of
+    training problems (eval/train_score: the train / held-out gap); `more()` adds a script's own evaluations.
+    `score(texts, rows, held_out)` is the script's: (a score per text, extra keys)."""
+    t0 = time.time()
+    texts, lengths = sample_for_eval(llm, tok, held_out.prompts, -1, "held-out problems", args)
+    scores, logged = score(texts, [r for r in held_out.rows for _ in range(args.eval_samples)], True)
+    logged = {"eval/mean_score": float(np.mean(scores)), **logged, "eval/response_len_mean": float(np.mean(lengths))}
+    if train_sample.prompts:
+        texts, _ = sample_for_eval(llm, tok, train_sample.prompts, -4, "training problems", args)
+        scores, _ = score(texts, [r for r in train_sample.rows for _ in range(args.eval_samples)], False)
+        logged["eval/train_score"] = float(np.mean(scores))
+    logged.update(more() if more else {})
+    logged["time/eval"] = time.time() - t0
+    log_scalars(writer, logged, step)
+    return logged["eval/mean_score"]
+
+
+def evaluating(step: int, last_step: int, args) -> bool:
+    """Evaluate before training, every --eval-every steps and after the last step."""
+    return bool(args.eval_every) and (step % args.eval_every == 0 or step == last_step)
+
+
+def train_sample(n_problems: int, args) -> list[int]:
+    """The fixed, seeded sample of training problems evaluated like the held-out ones (eval/train_score)."""
+    if not args.eval_every:
+        return []
+    return sorted(random.Random(args.seed).sample(range(n_problems), min(args.train_eval_problems, n_problems)))
+
+
+def start_run(args) -> tuple[int, torch.device, Path | None, dict | None, str]:
+    """Rank, device, the checkpoint to resume (with its state) and the run name; seeds Python, NumPy and torch.
+    One process per GPU under torchrun, each holding all of the algorithm's state (common/parallel.py)."""
+    rank, world, device = parallel.init()
+    if rank == 0 and world > 1:
         print(f"{world} ranks, one {device.type} each", flush=True)
-    resume_dir = dist.find_checkpoint(args.resume) if args.resume else None
-    ckpt = dist.read_state(resume_dir) if resume_dir else None
+    resume_dir = parallel.find_checkpoint(args.resume) if args.resume else None
+    ckpt = parallel.read_state(resume_dir) if resume_dir else None
     run_name = args.run_name or (ckpt["run_name"] if ckpt else f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    run_name = dist.from_rank0(run_name)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    dapo = args.objective == "dapo"
-    clip_high = args.dapo_clip_high if dapo else args.clip_high
-    kl_coef = 0.0 if dapo else args.kl_coef
+    return rank, device, resume_dir, ckpt, parallel.from_rank0(run_name)
 
-    train_rows = load_rows(args.dataset, args.dataset_split, [args.problem_field, args.answer_field], args.train_limit)
-    eval_rows = load_rows(args.eval_dataset, args.eval_split, [args.eval_problem_field, args.eval_answer_field],
-                          args.eval_limit) if args.eval_every else []
+
+def load_policy(args, device, resume_dir: Path | None):
+    """(model path, config, tokenizer, trainer): fp32 master weights, FSDP2-sharded under a process group
+    (common/parallel.py), gradient checkpointing on GPU; an unreachable model stops the run in one sentence."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     model_path = resolve_model(args.model)
     try:
         config = AutoConfig.from_pretrained(model_path)
@@ -409,316 +867,201 @@ def main(args: Args) -> dict:
     except Exception as e:
         raise SystemExit(f"could not load model {args.model!r}: {str(e).splitlines()[0][:300]}") from None
     model = AutoModelForCausalLM.from_pretrained(resume_dir / "policy" if resume_dir else model_path,
-                                                 dtype=torch.float32)  # fp32 master weights
+                                                 dtype=torch.float32)
     if device.type == "cuda" and args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    model = dist.shard(model, device)  # FSDP2 under a process group (common/dist.py)
-    ref_model = None
-    if kl_coef > 0:  # frozen initial policy for the k3 KL term
-        ref_model = dist.shard(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), device).eval()
-        ref_model.requires_grad_(False)
-    num_steps = math.ceil(args.epochs * len(train_rows) / args.problems_per_step)
-    warmup = max(1, int(args.warmup_frac * num_steps))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                                  fused=device.type == "cuda")  # fused: no full-size temporary on GPU
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup, num_steps, args.min_lr_rate))
-    prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in train_rows]
-    eval_prompts = [encode_prompt(tok, args.prompt_template, r[args.eval_problem_field]) for r in eval_rows]
-    # a fixed sample of training problems, evaluated like the held-out ones (eval/train_score)
-    train_eval_rows = [train_rows[i] for i in sorted(random.Random(args.seed).sample(
-        range(len(train_rows)), min(args.train_eval_problems, len(train_rows))))] if args.eval_every else []
-    train_eval_prompts = [encode_prompt(tok, args.prompt_template, r[args.problem_field]) for r in train_eval_rows]
-    cache_init_max_tokens = cache_init_limit(args)
-    longest = max(args.max_response_tokens, args.eval_max_tokens if args.eval_every else 0, cache_init_max_tokens)
-    peaks = dist.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
+    return model_path, config, tok, parallel.shard(model, device)
+
+
+def load_reference(model_path: str, device):
+    """The frozen initial policy, for a KL penalty."""
+    from transformers import AutoModelForCausalLM
+
+    ref = parallel.shard(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), device).eval()
+    return ref.requires_grad_(False)
+
+
+def adamw(model, lr: float, weight_decay: float, device) -> torch.optim.AdamW:
+    """AdamW, betas (0.9, 0.999), eps 1e-8; fused on GPU (no full-size temporary)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8,
+                             fused=device.type == "cuda")
+
+
+def start_engine(model_path: str, max_model_len: int, args, peaks, master: bool):
+    """The in-process vLLM engine (common/engine.py); memory/engine_start is its start-up's peak."""
     peaks.start()
     if master:
         print(f"starting the vLLM engine for {args.model} ...", flush=True)
-    llm = engine.create_engine(model_path, max_model_len=max(map(len, prompts + eval_prompts)) + longest + 8,
-                               seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization)
+    llm = engine.create_engine(model_path, max_model_len=max_model_len, seed=args.seed,
+                               gpu_memory_utilization=args.gpu_memory_utilization)
     peaks.end("engine_start")
-    flops_A, flops_B = engine.decoding_flops_coefficients(config)
-    verifier = AnswerVerifier()  # its worker processes start on first use only
+    return llm
 
-    def verify(texts: list[str], rows: list[dict], field: str, tiny: bool) -> list[float]:
-        """r in {0, 1} on the full response: math-verify (gold first), or the tiny task's own verifier."""
-        if tiny:
-            return [tiny_reward(t, r["answer"]) for t, r in zip(texts, rows)]
-        return verifier.verify([str(r[field]) for r in rows], [extract_final_answer(t) for t in texts])
+
+def open_writer(run_name: str, args, master: bool) -> SummaryWriter | None:
+    """TensorBoard under runs/<run_name> with the hyperparameters (rank 0 only; --track mirrors it to W&B)."""
+    if not master:
+        return None
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+        f"|{k}|{v!r}|" for k, v in vars(args).items()))
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
+    return writer
+
+
+def log_scalars(writer: SummaryWriter | None, scalars: dict[str, float], step: int) -> None:
+    if writer is not None:
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+
+
+def log_step(writer: SummaryWriter | None, step: int, scalars: dict[str, float], shown: list[str], args) -> None:
+    """This step's scalars, and a few sample completions as text every --log-completions-every steps."""
+    log_scalars(writer, scalars, step)
+    if writer is not None and args.log_completions_every and step % args.log_completions_every == 0:
+        writer.add_text("samples/completions", "\n\n".join(shown), step)
+
+
+def saving(step: int, last_step: int, args) -> bool:
+    """A checkpoint every --save-every steps and after the last one (--save-every 0: never)."""
+    return bool(args.save_every) and (step % args.save_every == 0 or step == last_step)
+
+
+def wake_up(llm, model, peaks) -> None:
+    """The engine serves the trainer's new weights from the next rollout on (sync, then the KV cache back)."""
+    peaks.start()
+    engine.wake_up(llm, model)
+    peaks.end("wake_up")
+
+
+class Clock:
+    """Wall-clock seconds of each phase of a step (time/<phase>) and of the whole step (charts/step_time)."""
+
+    def __init__(self):
+        self.start = self.last = time.time()
+        self.times: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.time()
+        self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + now - self.last
+        self.last = now
+
+    def scalars(self) -> dict[str, float]:
+        return {"charts/step_time": time.time() - self.start, **self.times}
+# ------------------------------------------------------------------------------------ end: the shared machinery
+
+
+def main(args: Args) -> dict:
+    rank, device, resume_dir, ckpt, run_name = start_run(args)
+    master = rank == 0
+
+    # --- data, models and engine (each fails fast, with one sentence) ---
+    rows = load_rows(args.dataset, args.dataset_split, [args.problem_field, args.answer_field], args.train_limit)
+    eval_rows = load_rows(args.eval_dataset, args.eval_split, [args.eval_problem_field, args.eval_answer_field],
+                          args.eval_limit) if args.eval_every else []
+    model_path, config, tok, model = load_policy(args, device, resume_dir)
+    ref_model = load_reference(model_path, device) if args.objective == "grpo" and args.kl_coef > 0 else None
+    num_steps = math.ceil(args.epochs * len(rows) / args.problems_per_step)
+    warmup = max(1, int(args.warmup_frac * num_steps))
+    optimizer = adamw(model, args.learning_rate, args.weight_decay, device)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, warmup=warmup, total=num_steps,
+                                                                    min_rate=args.min_lr_rate))
+    train = Problems(rows, [encode_chat(tok, args.prompt_template.format(problem=r[args.problem_field]))
+                            for r in rows])
+    held_out = Problems(eval_rows, [encode_chat(tok, args.prompt_template.format(problem=r[args.eval_problem_field]))
+                                    for r in eval_rows])
+    sample = train_sample(len(train.rows), args)
+    train_eval = Problems([train.rows[i] for i in sample], [train.prompts[i] for i in sample])
+    peaks = parallel.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
+    longest = max(args.max_response_tokens, args.eval_max_tokens if args.eval_every else 0, cache_init_limit(args))
+    llm = start_engine(model_path, max(map(len, train.prompts + held_out.prompts)) + longest + 8, args, peaks, master)
+    verifier = AnswerVerifier()  # its worker processes start on first use only
+    score = partial(eval_scores, args=args, verifier=verifier)
 
     # --- state a checkpoint carries: the cache, each problem's previous shortest response, counters ---
-    cache: dict[int, list[int]] = {}  # problem -> cached answer token ids (prefix source)
-    cache_correct: dict[int, float] = {}
-    cache_finished: dict[int, bool] = {}  # has a final answer; an unfinished entry is only ever cut shorter
-    previous_shortest: dict[int, int] = {}
-    start_step, total_flops, total_tokens = 0, 0, 0
+    start_step, cache, counters = 0, AnswerCache(), Counters(*engine.decoding_flops_coefficients(config))
     if ckpt:
-        dist.load_checkpoint(resume_dir, model, {"optimizer": optimizer},
-                             offload=("optimizer",) if args.offload_optimizer else ())
+        parallel.load_checkpoint(resume_dir, model, {"optimizer": optimizer},
+                                 offload=("optimizer",) if args.offload_optimizer else ())
         schedule.load_state_dict(ckpt["schedule"])
-        cache, cache_correct, previous_shortest = ckpt["cache"], ckpt["cache_correct"], ckpt["previous_shortest"]
-        cache_finished = ckpt["cache_finished"]
-        start_step, total_flops, total_tokens = ckpt["step"], ckpt["decoding_flops"], ckpt["generated_tokens"]
+        cache.load_state_dict(ckpt)
+        start_step = ckpt["step"]
+        counters.load_state_dict(ckpt)
         if master:
             print(f"resumed from {resume_dir} at step {start_step}")
-    engine.sync_weights(llm, model)
-
-    writer = SummaryWriter(f"runs/{run_name}") if master else None  # rank 0 logs
-    if master:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{k}|{v!r}|" for k, v in vars(args).items()))
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project, name=run_name, config=vars(args), sync_tensorboard=True)
-
-    def fill_cache(problems: list[int], step: int) -> int:
-        """Cache pool initialisation (Section 3.1, Eq. 1): one answer per problem from the current policy,
-        right or wrong. Its decoding counts in charts/decoding_flops. Returns the tokens decoded."""
-        params = [SamplingParams(temperature=args.cache_init_temperature, top_p=args.cache_init_top_p,
-                                 max_tokens=cache_init_max_tokens, seed=request_seed(args.seed, -2, step, p))
-                  for p in problems]
-        answers = engine.generate(llm, [prompts[p] for p in problems], params, progress="the cache's first answers")
-        texts = [tok.decode(a[0].token_ids, skip_special_tokens=True) for a in answers]
-        rewards = verify(texts, [train_rows[p] for p in problems], args.answer_field, args.dataset == "tiny")
-        for p, a, r, t in zip(problems, answers, rewards, texts):
-            cache[p], cache_correct[p] = list(a[0].token_ids), r
-            cache_finished[p] = extract_final_answer(t) is not None
-        nonlocal total_flops
-        total_flops += sum(engine.decoding_flops(flops_A, flops_B, len(prompts[p]), len(a[0].token_ids))
-                           for p, a in zip(problems, answers))
-        return sum(len(a[0].token_ids) for a in answers)
-
-    def sample_for_eval(prompts_: list[list[int]], salt: int, label: str):
-        """The evaluation sampler on these prompts, the same seeds at every evaluation: (groups, texts)."""
-        params = [SamplingParams(n=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
-                                 top_k=args.eval_top_k, max_tokens=args.eval_max_tokens,
-                                 seed=request_seed(args.seed, salt, i)) for i in range(len(prompts_))]
-        groups = engine.generate(llm, prompts_, params, progress=f"evaluation: {label}")
-        return groups, [tok.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
-
-    def evaluate(step: int) -> float:
-        t0 = time.time()
-        groups, texts = sample_for_eval(eval_prompts, -1, "held-out problems")
-        score = float(np.mean(verify(texts, [r for r in eval_rows for _ in range(args.eval_samples)],
-                                     args.eval_answer_field, args.eval_dataset == "tiny")))
-        if master:
-            writer.add_scalar("eval/mean_score", score, step)
-            writer.add_scalar("eval/response_len_mean", float(np.mean([len(c.token_ids) for g in groups for c in g])),
-                              step)
-        if train_eval_prompts:  # the same sampling on training problems, from scratch: the train / held-out gap
-            _, texts = sample_for_eval(train_eval_prompts, -4, "training problems")
-            train_score = float(np.mean(verify(texts, [r for r in train_eval_rows for _ in range(args.eval_samples)],
-                                               args.answer_field, args.dataset == "tiny")))
+    engine.sync_weights(llm, model)  # the engine serves exactly the trainer's (possibly resumed) weights
+    writer = open_writer(run_name, args, master)
+    last_eval = float("nan")
+    if start_step == 0:
+        if args.cache_init == "eager":  # Section 3.1: every problem's first answer before training
+            t0 = time.time()
+            first_answers(llm, tok, train, list(range(len(train.rows))), 0, cache, counters, args, verifier)
             if master:
-                writer.add_scalar("eval/train_score", train_score, step)
-        if master:
-            writer.add_scalar("time/eval", time.time() - t0, step)
-        return score
-
-    if start_step == 0 and args.cache_init == "eager":
-        t0 = time.time()
-        total_tokens += fill_cache(list(range(len(train_rows))), 0)
-        if master:
-            print(f"cache initialised: {len(cache)} answers, {np.mean(list(cache_correct.values())):.3f} correct, "
-                  f"{time.time() - t0:.1f}s")
-    last_eval = evaluate(0) if args.eval_every and start_step == 0 else float("nan")
-    if start_step == 0 and master:
-        writer.add_scalar("charts/decoding_flops", total_flops, 0)
-        writer.add_scalar("charts/generated_tokens", total_tokens, 0)
-        print(f"step 0 | eval {last_eval:.3f}")
+                print(f"cache initialised: {len(cache.answers)} answers, "
+                      f"{np.mean(list(cache.correct.values())):.3f} correct, {time.time() - t0:.1f}s")
+        if args.eval_every:
+            last_eval = evaluate(0, llm, tok, held_out, train_eval, score, args, writer)
+        log_scalars(writer, {"charts/decoding_flops": counters.decoding_flops,
+                             "charts/generated_tokens": counters.generated_tokens}, 0)
+        if master and args.eval_every:
+            print(f"step 0 | eval {last_eval:.3f}")
 
     last_step = min(num_steps, args.num_steps or num_steps)
     for step in range(start_step + 1, last_step + 1):
-        t_step, t0 = time.time(), time.time()
+        clock = Clock()
         rng = np.random.default_rng([args.seed, step])  # this step's truncations and cache choices
-        batch = problems_for_step(len(train_rows), args.problems_per_step, step, args.seed)
-        lazy_tokens = fill_cache([p for p in batch if p not in cache], step)  # problems first seen without an entry
-        # 1. Rollout (Section 3.2): one shared prefix per problem, the cached answer minus its last m tokens
-        prefixes, budgets, Ls, ms = [], [], [], []
-        for p in batch:
-            L = truncation_limit(args, len(cache[p]), previous_shortest.get(p))
-            m = draw_truncation(L, len(cache[p]), rng)
-            prefixes.append(cache[p][: len(cache[p]) - m])
-            budgets.append(m if args.continuation_budget == "m" else args.max_response_tokens - len(prefixes[-1]))
-            Ls.append(L)
-            ms.append(m)
-        params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                 max_tokens=max(1, b), logprobs=0, seed=request_seed(args.seed, step, j))
-                  for j, b in enumerate(budgets)]
-        peaks.start()
-        groups = engine.generate(llm, [prompts[p] + pre for p, pre in zip(batch, prefixes)], params)
-        peaks.end("rollout")
+        batch = problems_for_step(len(train.rows), args.problems_per_step, step, args.seed)
+        # 1. Cache (Section 3.1): a problem first seen without an entry gets its first answer now (lazy init)
+        first_answers(llm, tok, train, [p for p in batch if p not in cache.answers], step, cache, counters, args,
+                      verifier)
+        # 2. Truncate (Section 3.2, Eq. 3): the cached answer minus its last m tokens, m ~ U{1..L}
+        cuts = truncate(cache, batch, args, rng)
+        # 3. Roll out the tail (Eq. 4): G continuations of at most m new tokens from each shared prefix
+        samples = sample_tails(llm, train, cuts, step, args, peaks)
         engine.sleep(llm, args.vllm_sleep_level)
-        samples = [(j, c) for j in range(len(batch)) for c in groups[j]]  # group-major
-        new_tokens = [len(c.token_ids) for _, c in samples]
-        total_tokens += sum(new_tokens) + lazy_tokens
-        total_flops += sum(engine.decoding_flops(flops_A, flops_B, len(prompts[batch[j]]) + len(prefixes[j]),
-                                                 len(c.token_ids)) for j, c in samples)
-        t_generate = time.time() - t0
-
-        # 2. Rewards on the full response (the answer may sit in the prefix), then the length-aware shaping
-        t0 = time.time()
-        responses = [prefixes[j] + c.token_ids for j, c in samples]  # o = prefix || continuation
+        counters.add_samples(samples)
+        clock.lap("generate")
+        # 4. Length-aware reward (Section 3.4, Eq. 11) on the full response -- the answer may sit in the prefix
+        responses = [cuts[j // args.group_size].prefix + s.completion.token_ids for j, s in enumerate(samples)]
         texts = [tok.decode(o, skip_special_tokens=True) for o in responses]
-        correct = verify(texts, [train_rows[batch[j]] for j, _ in samples], args.answer_field, args.dataset == "tiny")
-        shaped = []  # Eq. 11, per group, lengths in tokens of the full response
-        for j in range(len(batch)):
-            sl = slice(j * args.group_size, (j + 1) * args.group_size)
-            shaped += length_aware_reward(correct[sl], [len(o) for o in responses[sl]], args.length_alpha,
-                                          args.length_min, args.length_max, args.length_ref)
-        rewards = torch.tensor(shaped, dtype=torch.float32)
-        advantages = grpo_advantages(rewards, args.group_size)  # GRPO and DAPO both normalise by the group std
-        t_score = time.time() - t0
-
-        # 3. Old (and reference) log-probs of the trained tokens: the whole response, or only the continuation
-        t0 = time.time()
-        seqs = [prompts[batch[j]] + o for (j, _), o in zip(samples, responses)]
-        spans = [loss_span(len(prompts[batch[j]]), len(prefixes[j]), len(c.token_ids), args.prefix_in_loss)
-                 for j, c in samples]
-        loss_start, loss_len = [s for s, _ in spans], [n for _, n in spans]
-        old_lp, ref_lp = {}, {}  # for the rows this process trains (row i: rank i % world under torchrun)
-        model.eval()
-        peaks.start()
-        with torch.no_grad(), autocast(device):
-            for mb in dist.even(make_micro_batches(dist.mine(range(len(seqs))), [len(s) for s in seqs],
-                                                   args.micro_batch_tokens)):
-                if not mb:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
-                    dist.idle_pass(model)
-                    if ref_model is not None:
-                        dist.idle_pass(ref_model)
-                    continue
-                ids = pad_batch([seqs[i] for i in mb], tok.pad_token_id, device)
-                st, ln = [loss_start[i] for i in mb], [loss_len[i] for i in mb]
-                lp = sequence_logprobs(model, ids, st, ln, args.temperature, args.logprob_chunk_tokens)
-                rf = sequence_logprobs(ref_model, ids, st, ln, args.temperature, args.logprob_chunk_tokens) \
-                    if ref_model is not None else lp
-                for i, a, b in zip(mb, lp.split(ln), rf.split(ln)):
-                    old_lp[i], ref_lp[i] = a, b
-        # sampler vs trainer on the sampled continuation tokens (the tail of each row's trained tokens)
-        peaks.end("old_logprobs")
-        mine = sorted(old_lp)
-        vllm_lp = torch.tensor([x for i in mine for x in samples[i][1].logprobs])
-        trainer_lp = torch.cat([old_lp[i][loss_len[i] - new_tokens[i]:] for i in mine] or [torch.zeros(0)])
-        trainer_lp = trainer_lp.float().cpu()
-        log_ratio = trainer_lp - vllm_lp
-
-        # 4. Update (Eqs. 5-8): GRPO = per-sequence token mean, mean over sequences, + beta * k3 KL;
-        #    DAPO = token mean over the minibatch
-        model.train()
-        n = len(seqs)
-        stats = {"policy_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "kl_ref": 0.0}
-        n_tok, grad_norm = sum(loss_len), torch.tensor(0.0)
-        for k in range(args.num_minibatches):
-            mb = [i for i in range(k * n // args.num_minibatches, (k + 1) * n // args.num_minibatches) if loss_len[i]]
-            if not mb:
-                continue
-            denom = sum(loss_len[i] for i in mb) if dapo else len(mb)
-            optimizer.zero_grad(set_to_none=True)
-            peaks.start()
-            for micro in dist.even(make_micro_batches(dist.mine(mb), [len(s) for s in seqs], args.micro_batch_tokens)):
-                if not micro:
-                    dist.idle_pass(model)
-                    continue
-                ids = pad_batch([seqs[i] for i in micro], tok.pad_token_id, device)
-                ln = [loss_len[i] for i in micro]
-                with autocast(device):
-                    lp = sequence_logprobs(model, ids, [loss_start[i] for i in micro], ln, args.temperature,
-                                           args.logprob_chunk_tokens)
-                adv = torch.cat([advantages[i].expand(loss_len[i]) for i in micro]).to(device)
-                tok_loss, clipped, approx_kl = clipped_surrogate(lp, torch.cat([old_lp[i] for i in micro]), adv,
-                                                                 args.clip_low, clip_high)
-                if kl_coef > 0:  # k3 estimator of KL(pi || pi_ref)
-                    d = torch.cat([ref_lp[i] for i in micro]) - lp
-                    kl = torch.exp(d) - d - 1
-                    tok_loss = tok_loss + kl_coef * kl
-                    stats["kl_ref"] += float(kl.detach().sum()) / n_tok
-                if dapo:
-                    loss = tok_loss.sum() / denom
-                else:
-                    loss = torch.stack([t.mean() for t in tok_loss.split(ln)]).sum() / denom
-                loss.backward()
-                stats["policy_loss"] += float(loss.detach()) / args.num_minibatches
-                stats["clipfrac"] += float(clipped.float().sum()) / n_tok
-                stats["approx_kl"] += float(approx_kl.detach().sum()) / n_tok
-            peaks.end("backward")
-            grad_norm = dist.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-            if torch.isfinite(grad_norm):
-                peaks.start()
-                dist.step(optimizer, device, args.offload_optimizer)
-                peaks.end("optimizer_step")
-        model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
-        stats = {k: dist.sum_all(v) for k, v in stats.items()}  # each rank summed its own rows
+        correct = verify(texts, [train.rows[s.problem] for s in samples], args.answer_field, args.dataset == "tiny",
+                         verifier)
+        shaped = shaped_rewards(correct, responses, args)
+        # GRPO and DAPO both normalise by the group's std (Eq. 6)
+        rows = training_rows(samples, cuts, grpo_advantages(shaped, args.group_size), args)
+        clock.lap("score")
+        # 5. Update (Eqs. 5-8), the objective GRPO's or DAPO's
+        old_logprobs(model, rows, args.temperature, args, peaks, ref_model)
+        losses = ppo_update(model, optimizer, rows, partial(micro_batch_loss, args=args), STATS, args, peaks)
         lr_now = schedule.get_last_lr()[0]
         schedule.step()
-        t_train = time.time() - t0
-
-        # 5. Cache update (Section 3.3, Eq. 10), after the gradient update; and L's statistic for next time
-        for j, p in enumerate(batch):
-            sl = range(j * args.group_size, (j + 1) * args.group_size)
-            previous_shortest[p] = min(len(responses[i]) for i in sl)
-            if args.cache_update == "epsilon":
-                pick = sl[pick_cache_entry([shaped[i] for i in sl], args.cache_epsilon, rng)]
-                cache[p], cache_correct[p] = list(responses[pick]), correct[pick]
-                cache_finished[p] = extract_final_answer(texts[pick]) is not None
-        t0 = time.time()
-        peaks.start()
-        engine.wake_up(llm, model)
-        peaks.end("wake_up")
-        t_sync = time.time() - t0
-
-        # 6. Log, evaluate, checkpoint
-        scalars = {
-            "charts/decoding_flops": total_flops, "charts/generated_tokens": total_tokens,
-            "charts/step_time": time.time() - t_step, "charts/learning_rate": lr_now,
-            "train/reward_mean": float(np.mean(shaped)), "train/accuracy": float(np.mean(correct)),
-            "train/response_len_mean": float(np.mean([len(o) for o in responses])),
-            "losses/policy_loss": stats["policy_loss"], "losses/clipfrac": stats["clipfrac"],
-            "losses/approx_kl": stats["approx_kl"], "losses/kl_ref": stats["kl_ref"],
-            "losses/grad_norm": float(grad_norm),
-            # Monte-Carlo estimate of the token entropy: mean -log p of the sampled continuation tokens
-            "losses/entropy": -dist.mean_all(trainer_lp),
-            "sampling/mismatch_kl": dist.mean_all(torch.exp(log_ratio) - 1 - log_ratio),
-            "time/generate": t_generate, "time/score": t_score, "time/train": t_train, "time/sync": t_sync,
-            "rpo/new_tokens_per_sample": float(np.mean(new_tokens)), "rpo/m_mean": float(np.mean(ms)),
-            "rpo/L_mean": float(np.mean(Ls)), "rpo/prefix_len_mean": float(np.mean([len(x) for x in prefixes])),
-            "rpo/reward_before_shaping": float(np.mean(correct)), "rpo/reward_after_shaping": float(np.mean(shaped)),
-            "rpo/cache_correct_frac": float(np.mean(list(cache_correct.values()))),
-            "rpo/cache_len_mean": float(np.mean([len(a) for a in cache.values()])),
-            # entries without a final answer: with a continuation budget of m their groups can never score
-            "rpo/cache_unfinished_frac": 1.0 - float(np.mean(list(cache_finished.values()))),
-            "rpo/zero_std_frac": float((rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean()),
-        }
-        scalars.update(peaks.pop())
+        clock.lap("train")
+        # 6. Cache update (Section 3.3, Eq. 10), after the gradient update
+        update_cache(cache, cuts, responses, texts, correct, shaped, args, rng)
+        wake_up(llm, model, peaks)
+        clock.lap("sync")
+        # 7. log, evaluate, checkpoint
+        scalars = {**counters.scalars(), "charts/learning_rate": lr_now, **losses, **step_scalars(
+            cuts, samples, responses, correct, shaped, cache, args), "rpo/continuation_entropy": sampled_entropy(rows),
+            **sampler_gap(rows), **clock.scalars(), **peaks.pop()}
+        log_step(writer, step, scalars, [
+            f"**m={cuts[0].m}, reward {shaped[i]:.2f}** (prefix ends at `|`)\n```\n"
+            f"{tok.decode(cuts[0].prefix, skip_special_tokens=True)}|"
+            f"{tok.decode(samples[i].completion.token_ids, skip_special_tokens=True)}\n```" for i in range(2)], args)
+        if evaluating(step, last_step, args):
+            last_eval = evaluate(step, llm, tok, held_out, train_eval, score, args, writer)
         if master:
-            for key, value in scalars.items():
-                writer.add_scalar(key, value, step)
-            if args.log_completions_every and step % args.log_completions_every == 0:
-                shown = [f"**m={ms[0]}, reward {shaped[i]:.2f}** (prefix ends at `|`)\n```\n"
-                         f"{tok.decode(prefixes[0], skip_special_tokens=True)}|"
-                         f"{tok.decode(samples[i][1].token_ids, skip_special_tokens=True)}\n```" for i in range(2)]
-                writer.add_text("samples/completions", "\n\n".join(shown), step)
-        if args.eval_every and (step % args.eval_every == 0 or step == last_step):
-            last_eval = evaluate(step)
-        if master:
-            print(f"step {step}/{last_step} | reward {scalars['train/reward_mean']:.3f} acc "
-                  f"{scalars['train/accuracy']:.3f} | eval {last_eval:.3f} | new tok/sample "
-                  f"{scalars['rpo/new_tokens_per_sample']:.1f} | cache correct "
-                  f"{scalars['rpo/cache_correct_frac']:.2f} | gen {t_generate:.1f}s train {t_train:.1f}s", flush=True)
-        if args.save_every and (step % args.save_every == 0 or step == last_step):
-            state = {"run_name": run_name, "schedule": schedule.state_dict(), "cache": cache,
-                     "cache_correct": cache_correct, "cache_finished": cache_finished,
-                     "previous_shortest": previous_shortest,
-                     "decoding_flops": total_flops, "generated_tokens": total_tokens}
-            path = dist.save_checkpoint(Path(args.checkpoint_dir) / run_name, step, model, tok,
-                                        {"optimizer": optimizer}, state, args.keep_checkpoints)
-            if master:
-                print(f"saved {path}")
-    if master:
+            print(progress_line(step, last_step, scalars, last_eval, clock), flush=True)
+        if saving(step, last_step, args):
+            save(step, model, tok, optimizer, schedule, run_name, cache, counters, args)
+
+    if writer is not None:
         writer.close()
-    if verifier is not None:
-        verifier.close()
+    verifier.close()
     return {"run_name": run_name, "eval/mean_score": last_eval}
 
 

@@ -22,7 +22,6 @@ Writes benchmarks/results/ac2_advantage.json.
 """
 
 import argparse
-import collections
 import json
 import sys
 from pathlib import Path
@@ -47,54 +46,59 @@ def analyse(llm, ckpt: Path, groups: int, rollouts: int, seed: int) -> dict:
     args = ac2.tiny_args()
     tok = build_tokenizer()
     rows = tiny_dataset("train")[: args.train_limit]
-    prompts = [ac2.encode_prompt(tok, args.prompt_template, r["problem"]) for r in rows]
-    buffer = [ac2.Trajectory(**t) for t in state["buffer"]]
+    train = ac2.Problems(rows, [ac2.encode_chat(tok, args.prompt_template.format(problem=r["problem"])) for r in rows])
+    buffer = ac2.ReplayBuffer(ac2.buffer_capacity(args))
+    buffer.load_state_dict(state["buffer"])
     tracker = ac2.ReadinessTracker(args.window, args.tau_global, args.tau_local)
-    tracker.load(state["readiness"])
-    bank = state["bank"]
+    tracker.load_state_dict(state["readiness"])
+    bank = ac2.ReferenceBank()
+    bank.load_state_dict(state["bank"])
     engine.sync_weights(llm, AutoModelForCausalLM.from_pretrained(ckpt / "policy", dtype=torch.float32))
+    # replay groups as AC2's next step builds them, every one routed to chunks
     rng = np.random.default_rng([seed, state["step"]])
-    sources = ac2.fill_slots(buffer, groups, rng)
-    cuts = [ac2.draw_cut(len(t.tokens), args.cut_grid, args.cut_max_frac, rng) for t in sources]
-    prefixes = [t.tokens[:c] for t, c in zip(sources, cuts)]
-    max_tokens = [min(args.chunk_tokens, args.budget - len(p)) for p in prefixes]
-    chunks = engine.generate(llm, [prompts[t.problem] + p for t, p in zip(sources, prefixes)], [
-        SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=max(1, m), seed=1000 + i)
-        for i, m in enumerate(max_tokens)])
-    # every row: consumed (critic-scored) or finished (verifier reward)
-    items = []  # (group, row, endpoint token ids, consumed, terminal reward)
-    for gi, (t, pre, group, m) in enumerate(zip(sources, prefixes, chunks, max_tokens)):
-        for ri, c in enumerate(group):
-            text = tok.decode(pre + c.token_ids, skip_special_tokens=True)
-            finished = tiny_reward(text, rows[t.problem]["answer"]) if ac2.extract_final_answer(text) else None
-            consumed = ac2.is_consumed(len(c.token_ids), m, args.chunk_tokens, args.budget - len(pre),
-                                       finished is not None)
-            items.append((gi, ri, pre + c.token_ids, consumed, finished if finished is not None else 0.0))
-    todo = [k for k, it in enumerate(items) if it[3]]
-    refs = [sources[items[k][0]].proof or bank.get(sources[items[k][0]].problem) for k in todo]
-    contexts = [ac2.critic_context(prompts[sources[items[k][0]].problem], items[k][2], ref, tok, args)
-                for k, ref in zip(todo, refs)]
-    critic = dict(zip(todo, [v for v, _ in ac2.query_critic(llm, contexts, tok, 1024)]))
-    mc_out = engine.generate(llm, [prompts[sources[items[k][0]].problem] + items[k][2] for k in todo], [
-        SamplingParams(n=rollouts, temperature=args.temperature, max_tokens=args.budget - len(items[k][2]),
-                       seed=5000 + k) for k in todo])
-    mc = {k: float(np.mean([tiny_reward(tok.decode(items[k][2] + o.token_ids, skip_special_tokens=True),
-                                        rows[sources[items[k][0]].problem]["answer"]) for o in out]))
-          for k, out in zip(todo, mc_out)}
-    # per group, advantages from the critic and from Monte Carlo (invalid critic values: the group's valid
-    # mean, as AC2 replaces them)
-    by_group = collections.defaultdict(list)
-    for k, it in enumerate(items):
-        by_group[it[0]].append(k)
+    sources = ac2.fill_slots(list(buffer.trajectories), groups, rng)
+    replay = [ac2.Group(t.problem, t.tokens[: ac2.draw_cut(len(t.tokens), args.cut_grid, args.cut_max_frac, rng)],
+                        "short", t) for t in sources]
+    for g in replay:
+        g.max_tokens = ac2.new_token_budget(g.lane, len(g.prefix), args)
+    contexts = [train.prompts[g.problem] + g.prefix for g in replay]
+    chunks = engine.generate(llm, contexts, [SamplingParams(n=args.group_size, temperature=args.temperature,
+                                                            max_tokens=max(1, g.max_tokens), seed=1000 + i)
+                                             for i, g in enumerate(replay)])
+    for g, context, completions in zip(replay, contexts, chunks):
+        g.samples = [ac2.Sample(g.problem, context, c) for c in completions]
+        g.texts = [tok.decode(g.prefix + c.token_ids, skip_special_tokens=True) for c in completions]
+        g.reference = ac2.critic_reference(g, bank)
+        g.consumed = ac2.consumed_rows(g, args)
+    # the critic values the consumed chunks (AC2's prompt and reference, greedy); the rest get the verifier's
+    # reward, as AC2's judge gives them; then AC2's own endpoint values and advantages
+    todo = [(g, i) for g in replay for i, used in enumerate(g.consumed) if used]
+    contexts = [ac2.critic_context(train.prompts[g.problem], g.prefix + g.samples[i].completion.token_ids,
+                                   g.reference, tok, args) for g, i in todo]
+    values = [v for v, _ in ac2.query_critic(llm, contexts, tok, 1024)]
+    for g in replay:
+        g.critic = [None] * len(g.samples)
+        verdicts, _ = ac2.grade(g.texts, [train.rows[g.problem]] * len(g.texts), args, judge=None)
+        g.verdicts = [None if used else v for used, v in zip(g.consumed, verdicts)]
+    for (g, i), v in zip(todo, values):
+        g.critic[i] = v
+    for g in replay:
+        ac2.endpoint_values(g)
+    # Monte Carlo: R rollouts from each consumed chunk's endpoint to the end of the budget
+    mc_out = engine.generate(llm, [g.samples[i].context + g.samples[i].completion.token_ids for g, i in todo], [
+        SamplingParams(n=rollouts, temperature=args.temperature,
+                       max_tokens=args.budget - len(g.prefix) - len(g.samples[i].completion.token_ids), seed=5000 + k)
+        for k, (g, i) in enumerate(todo)])
+    mc = {(id(g), i): float(np.mean([tiny_reward(tok.decode(g.prefix + g.samples[i].completion.token_ids + o.token_ids,
+                                                            skip_special_tokens=True), train.rows[g.problem]["answer"])
+                                     for o in out])) for (g, i), out in zip(todo, mc_out)}
     rows_out = []  # (ready?, critic adv, mc adv, critic value, mc value)
-    for gi, ks in by_group.items():
-        raw = [critic.get(k) if items[k][3] else items[k][4] for k in ks]
-        values, _ = ac2.replace_invalid_values(raw, [v is not None for v in raw])
-        mc_values = [mc[k] if items[k][3] else items[k][4] for k in ks]
-        ready = tracker.is_ready(sources[gi].problem)
-        for k, v, m in zip(ks, values, mc_values):
-            if items[k][3]:
-                rows_out.append((ready, v - np.mean(values), m - np.mean(mc_values), v, m))
+    for g in replay:
+        mc_values = [mc[(id(g), i)] if used else g.values[i] for i, used in enumerate(g.consumed)]
+        ready = tracker.is_ready(g.problem)
+        for i, (a, used) in enumerate(zip(ac2.group_advantages(g), g.consumed)):
+            if used:
+                rows_out.append((ready, a, mc_values[i] - np.mean(mc_values), g.values[i], mc_values[i]))
     report = {"step": state["step"], "gate_open": tracker.gate_open(), "ready_problems": len(tracker.ready),
               "groups": groups, "rollouts_per_endpoint": rollouts, "consumed_chunks": len(todo)}
     for name, sel in (("all", rows_out), ("ready", [r for r in rows_out if r[0]])):

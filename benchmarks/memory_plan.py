@@ -9,7 +9,7 @@
 Flags after `--` are the script's own (parsed by its tyro Args, so its defaults apply). The model is built on
 the meta device from a config.json (benchmarks/configs/ holds the paper models'), so nothing is downloaded.
 
-What it assumes, term by term (the GPU path of common/dist.py: FSDP2 over `--gpus` ranks, one per GPU):
+What it assumes, term by term (the GPU path of common/parallel.py: FSDP2 over `--gpus` ranks, one per GPU):
 - fp32 master weights, fp32 gradients and AdamW's two fp32 states, each sharded over the ranks (4 + 4 + 8
   bytes per parameter / gpus); gradients exist from the first backward to the end of the update only;
   AC2's critic AdamW state is on the GPU only for the critic's step (8 bytes / gpus more there), the actor's
@@ -261,7 +261,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 import grpo
-from common import dist
+from common import parallel
 h, I, L, heads, kv, hd, V, T, ckpt = {point}
 cfg = AutoConfig.for_model("qwen3", hidden_size=h, intermediate_size=I, num_hidden_layers=L, num_attention_heads=heads,
                            num_key_value_heads=kv, head_dim=hd, vocab_size=V, tie_word_embeddings=True,
@@ -272,7 +272,7 @@ model.config.use_cache = False
 ids = torch.randint(5, V, (1, T))
 with torch.no_grad():
     grpo.sequence_logprobs(model, ids[:, :64], [1], [63], 1.0, 1024)  # warm-up
-out, peaks = {{}}, dist.Peaks()
+out, peaks = {{}}, parallel.Peaks()
 
 def measure(name, fn):
     peaks.start()

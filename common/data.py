@@ -1,7 +1,7 @@
 """Where problems come from: the built-in tiny task, a local JSON/JSONL file, a `save_to_disk` folder or a hub id.
 
 Every script loads its rows here so that bad input fails the same way everywhere: at start-up, in one
-sentence that names the dataset, the row index and the missing field (spec/overview.md, "Data").
+sentence that names the dataset, the row index and the missing field (docs/reference.md, "Data and models").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The generation engine: one in-process vLLM `LLM` whose weights follow the trainer's exactly.
 
-Facts this module relies on are in `../shared/notes/vllm-cpu.md`:
+What this module relies on (checked on CPU; docs/reference.md, "Running vLLM in-process"):
 - `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the engine in the trainer's process, so weight sync is a plain
   function call on the worker (no pickling, no second process).
 - On CPU, vLLM prepacks each linear layer's weight for oneDNN and drops `layer.weight`; weights loaded later
@@ -9,7 +9,7 @@ Facts this module relies on are in `../shared/notes/vllm-cpu.md`:
   chunked prefill is off there. We seed every request: that is what makes a resumed run sample exactly what
   an uninterrupted one would have.
 - On GPU: bf16, and sleep mode so the trainer gets the memory of the KV cache and weights while it trains.
-- Under torchrun, one engine per rank (`external_launcher`): common/dist.py says how the work is shared.
+- Under torchrun, one engine per rank (`external_launcher`): common/parallel.py says how the work is shared.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def create_engine(
 ):
     """An in-process `vllm.LLM` for `model` (hub id or local folder): bf16 + sleep mode on GPU, fp32 on CPU.
 
-    Under a process group (torchrun, or any GPU run: common/dist.py) every rank builds its own engine at the
+    Under a process group (torchrun, or any GPU run: common/parallel.py) every rank builds its own engine at the
     same time with `external_launcher` and tensor parallel 1 -- vLLM joins the existing world and each rank
     samples independently; all ranks use the same seed (vLLM reseeds the whole process with it).
     """
@@ -72,7 +72,7 @@ def create_engine(
         _keep_cpu_linear_weights()
     from vllm import LLM
 
-    from common import dist
+    from common import parallel
 
     return LLM(
         model=model,
@@ -87,7 +87,7 @@ def create_engine(
         # log-probabilities of the distribution actually sampled from (after temperature / top-k / top-p),
         # so that they compare with the trainer's log_softmax(logits / T)
         logprobs_mode="processed_logprobs",
-        **(dict(distributed_executor_backend="external_launcher", tensor_parallel_size=1) if dist._on else {}),
+        **(dict(distributed_executor_backend="external_launcher", tensor_parallel_size=1) if parallel._on else {}),
     )
 
 
@@ -101,16 +101,16 @@ def generate(llm, prompts: list[list[int]], params, progress: str | None = None)
     `progress` names a phase that may take a while (an evaluation, a cache's first answers): rank 0 then shows
     a progress bar with vLLM's time estimate, cleared when done.
     """
-    from common import dist
+    from common import parallel
 
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     bar = False
-    if progress and dist.RANK == 0:
+    if progress and parallel.RANK == 0:
         from tqdm import tqdm
 
         every = 0.1 if sys.stderr.isatty() else 30.0  # a log file gets a line every 30 s, not a stream of them
         bar = lambda *a, **kw: tqdm(*a, **{**kw, "desc": progress, "leave": False, "mininterval": every})  # noqa: E731
-    return dist.shared_map(lambda share: _generate(llm, share, bar), list(zip(prompts, per_prompt)))
+    return parallel.shared_map(lambda share: _generate(llm, share, bar), list(zip(prompts, per_prompt)))
 
 
 def _generate(llm, requests: list, bar=False) -> list[list[Completion]]:
@@ -138,16 +138,16 @@ def sync_weights(llm, model: torch.nn.Module) -> None:
     is gathered whole just before it is loaded and freed after, so no second full copy of the weights ever
     exists. Every rank must call it (the gathers are collectives), with the same model.
     """
-    from common import dist
+    from common import parallel
 
     dtype = torch.bfloat16 if on_gpu() else torch.float32
     tied = getattr(model.config, "tie_word_embeddings", False)
 
     def weights():
-        # with tied embeddings vLLM has no separate lm_head weight to load (notes/vllm-cpu.md)
+        # with tied embeddings vLLM has no separate lm_head weight to load (docs/reference.md, "Running vLLM")
         for name, p in model.named_parameters():
             if not (tied and name == "lm_head.weight"):
-                yield name, dist.full(p.detach().to(dtype))
+                yield name, parallel.full(p.detach().to(dtype))
 
     llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(weights=weights()))
     llm.reset_prefix_cache()

@@ -8,6 +8,7 @@ trustworthy value (AC2's critic targets), and count how often it happens.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -30,7 +31,7 @@ def after_thinking(response: str) -> str:
 def extract_proof(response: str) -> str | None:
     """The proof of an AC2-style response: after the last `</think>`, the first `<proof>...</proof>`, stripped.
 
-    None when the thinking section is unfinished or there is no complete proof block (spec/ac2.md).
+    None when the thinking section is unfinished or there is no complete proof block (docs/ac2.md, "The judge").
     """
     if "</think>" not in response:
         return None
@@ -69,7 +70,7 @@ def _verify_one(gold: str, pred: str, timeout_s: int) -> bool:
     """Runs in a worker process's main thread, where math-verify's SIGALRM timeouts are allowed."""
     from math_verify import parse, verify
 
-    wrap = lambda s: s if ("$" in s or "\\boxed" in s) else f"${s}$"  # noqa: E731 - gold as $...$ (spec/rpo.md)
+    wrap = lambda s: s if ("$" in s or "\\boxed" in s) else f"${s}$"  # noqa: E731 - gold as $...$ (docs/rpo.md)
     gold_parsed = parse(wrap(gold), parsing_timeout=timeout_s)
     pred_parsed = parse(wrap(pred), parsing_timeout=timeout_s)
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout_s))  # gold first
@@ -95,11 +96,11 @@ class AnswerVerifier:
 
     def verify(self, golds: list[str], preds: list[str | None]) -> list[float]:
         """1.0 where `pred` is equivalent to `gold`; 0.0 for a missing pred, a mismatch, an error or a timeout.
-        Under torchrun each rank checks its share and all get every result (common/dist.py)."""
-        from common import dist
+        Under torchrun each rank checks its share and all get every result (common/parallel.py)."""
+        from common import parallel
 
         pairs = list(zip(golds, preds))
-        return dist.shared_map(lambda share: self._verify([g for g, _ in share], [p for _, p in share]), pairs)
+        return parallel.shared_map(lambda share: self._verify([g for g, _ in share], [p for _, p in share]), pairs)
 
     def _verify(self, golds: list[str], preds: list[str | None]) -> list[float]:
         futures = {
@@ -133,7 +134,7 @@ class AnswerVerifier:
 # The LLM judge (OpenAI-compatible endpoint)
 # ----------------------------------------------------------------------------------------------------
 # Training grader: the released `finegrained_noref_judge.txt` allows only 7, 6, 1 or 0 points and asks for the grade
-# once (spec/ac2.md "Defaults"). Its wording is not public; the four levels below are in our own words.
+# once (docs/ac2.md, "The judge"). Its wording is not public; the four levels below are in our own words.
 TRAINING_GRADES = (0, 1, 6, 7)
 TRAINING_PROMPT = """You are an expert grader of olympiad mathematics. Grade the proof below with exactly one \
 of these four scores; no other score is allowed:
@@ -176,7 +177,7 @@ class JudgeResult:
 
 
 def parse_points(text: str | None, allowed=VALIDATION_GRADES) -> int | None:
-    """Points from the judge's answer channel (spec/ac2.md): `<points>N out of 7</points>`, then
+    """Points from the judge's answer channel (docs/ac2.md, "The judge"): `<points>N out of 7</points>`, then
     `<points>N</points>`, then `N out of 7`; the *first* match of the first pattern that matches wins (the
     released parser). A value outside `allowed` (training: 0, 1, 6, 7) is invalid.
 
@@ -221,25 +222,25 @@ class Judge:
               guidelines: list[str | None] | None = None, validation: bool = False) -> list[JudgeResult]:
         """Grade proofs (blocking; runs its own event loop). Training: the 7/6/1/0 grader on problem + proof;
         validation: the 0-7 grader, with each problem's reference solution and grading guidelines if given."""
-        from common import dist
+        from common import parallel
 
         n = len(problems)
         references, guidelines = references or [None] * n, guidelines or [None] * n
         prompts = [self.prompt(*args, validation=validation) for args in zip(problems, proofs, references, guidelines)]
         allowed = VALIDATION_GRADES if validation else TRAINING_GRADES
-        # under torchrun each rank grades its share and all get every result (common/dist.py)
-        return dist.shared_map(lambda share: asyncio.run(self._grade_all(share, allowed)), prompts)
+        # under torchrun each rank grades its share and all get every result (common/parallel.py)
+        return parallel.shared_map(lambda share: asyncio.run(self._grade_all(share, allowed)), prompts)
 
     def check(self) -> str | None:
         """At start-up, before any model is loaded: one real training grading request -- the run's own
         temperature and max_tokens -- so an endpoint that is unreachable, refuses the key or rejects the request
         shape stops the run at once instead of turning every reward into an invalid 0. None if it graded."""
-        from common import dist
+        from common import parallel
 
         prompt = self.prompt("Prove that the sum of two even integers is even.",
                              "Write them as 2a and 2b; their sum is 2(a + b), which is even.")
         # one request for the whole run: under torchrun rank 0 sends it and every rank gets the answer
-        [res] = dist.shared_map(lambda share: asyncio.run(self._grade_all(share, TRAINING_GRADES, max_retries=1)),
+        [res] = parallel.shared_map(lambda share: asyncio.run(self._grade_all(share, TRAINING_GRADES, max_retries=1)),
                                 [prompt])
         if res.error is None:
             return None
@@ -271,9 +272,9 @@ class Judge:
             timeout=self.cfg.timeout_s,
             max_retries=0,  # our own retry policy below
         )
-        from common import dist
+        from common import parallel
 
-        limit = asyncio.Semaphore(max(1, self.cfg.max_concurrency // dist.WORLD))  # the run's total, over ranks
+        limit = asyncio.Semaphore(max(1, self.cfg.max_concurrency // parallel.WORLD))  # the run's total, over ranks
         retries = self.cfg.max_retries if max_retries is None else max_retries
         try:
             return await asyncio.gather(*(self._grade_one(client, limit, p, allowed, retries) for p in prompts))
@@ -327,3 +328,50 @@ def _short(text: str, n: int = 200) -> str:
     """One line of at most n characters, for messages."""
     line = " ".join(str(text).split())
     return line if len(line) <= n else line[: n - 3] + "..."
+
+
+# ----------------------------------------------------------------------------------------------------
+# A run's judge: checked before any model is loaded, stopped when it keeps failing
+# ----------------------------------------------------------------------------------------------------
+def start_judge(args, master: bool) -> Judge:
+    """The run's judge from its --judge-* flags, checked with one real grading request before any model is loaded:
+    an unreachable endpoint, a refused key or a rejected request shape stops the run here, in one sentence."""
+    judge = Judge(JudgeConfig(args.judge_base_url, args.judge_model, args.judge_api_key_env,
+                              args.judge_max_concurrency, args.judge_timeout_s, args.judge_max_retries,
+                              temperature=args.judge_temperature, max_tokens=args.judge_max_tokens))
+    if master:
+        print(f"checking the judge {args.judge_model} at {args.judge_base_url} with one real grading request...",
+              flush=True)
+    if (err := judge.check()) is not None:
+        raise SystemExit(f"the judge {args.judge_model} at {args.judge_base_url} failed a grading request with "
+                         f"the run's settings (max_tokens {args.judge_max_tokens}, temperature "
+                         f"{args.judge_temperature}): {err}")
+    return judge
+
+
+def judge_failure_streak(calls: list[tuple[str | None, str | None]], streak: int) -> tuple[int, str | None]:
+    """A step in which more than half of the judge calls failed extends the streak and explains itself (the
+    causes, most frequent first, with one server message each); any other step ends the streak. Failed calls
+    are invalid zeros, kept in the update, so a dead judge would train the policy on noise."""
+    failed = [(e, d) for e, d in calls if e is not None]
+    if not calls or 2 * len(failed) <= len(calls):
+        return 0, None
+    causes = collections.Counter(e for e, _ in failed)
+    detail = dict(reversed(failed))  # the first message of each cause
+    listed = "; ".join(f"{e} x{k}" + (f" ({detail[e]})" if detail[e] else "") for e, k in causes.most_common())
+    return streak + 1, f"{len(failed)} of {len(calls)} judge calls failed: {listed}"
+
+
+def watch_judge(calls, streak: int, step: int, max_invalid_steps: int, master: bool, save_before_step) -> int:
+    """The failure streak after this step's judge calls (printed when it grows). At `max_invalid_steps`
+    (--judge-max-invalid-steps) the run stops with the state before this step saved (`save_before_step()` writes
+    it and returns its folder), rather than train on a dead judge's zeros."""
+    streak, warning = judge_failure_streak(calls, streak)
+    if warning and master:
+        print(f"warning: step {step}: {warning}", flush=True)
+    if streak >= max_invalid_steps:
+        path = save_before_step()
+        raise SystemExit(f"stopped: more than half of the judge's calls failed in {streak} consecutive steps "
+                         f"(last: {warning}). The state before step {step} is saved in {path}; fix the judge, "
+                         f"then continue with --resume {path}")
+    return streak

@@ -1,6 +1,6 @@
 """The built-in tiny task and tiny model, so that every script runs (and visibly learns) on a laptop CPU.
 
-Task (spec/overview.md, "The built-in tiny task and model"): add 2-6 two-digit numbers, solved as running
+Task (docs/reference.md, "The tiny task and model"): add 2-6 two-digit numbers, solved as running
 sums, one per line, inside the thinking section, then the answer in \\boxed{}:
 
     user:       Add: 33+95+46
@@ -26,9 +26,9 @@ policy's own rough chance of success (0 once a line is wrong, else 0.8 per line 
 LLM critic likewise starts roughly right, and AC2 must keep it right as the policy changes; and packed prompts
 of 1-3 problems answered in CCR's format (thinking closed at once, then each problem solved and its
 `Answer k: \\boxed{..}` line written, in the answer section ccr.py parses), three batches in every
-`format_every`. So many because a packed problem's terms sit wherever the problems before it end: with packs
-one batch in eight (recipe v5) the model learned to find a term by its place in the prompt, which packing
-moves, and solved no packed problem at all (docs/results.md, Findings). The build is deterministic on one
+`format_every`. So many because a packed problem's terms sit wherever the problems before it end: with fewer
+packed batches the model learns to find a term by its place in the prompt, which packing moves, and solves no
+packed problem at all (docs/results.md, Findings). The build is deterministic on one
 machine but not across CPUs, so the built model ships in common/tiny_model/ (`tiny_model_path`); rebuilding
 from the recipe takes about 20 minutes on 2 cores and is cached in ``$TINY_RL_CACHE`` or ``~/.cache/tiny-rl``.
 """
@@ -81,7 +81,7 @@ class TinyRecipe:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 32  # vLLM's CPU attention rejects head_dim=16 (notes/vllm-cpu.md)
+    head_dim: int = 32  # vLLM's CPU attention rejects head_dim=16 (docs/reference.md, "Running vLLM in-process")
     intermediate_size: int = 384
     max_position_embeddings: int = 2048
     error_rate: float = 0.2  # per running-sum step, in the warm-start traces
@@ -132,8 +132,9 @@ def tiny_packed_solution(packed: list[list[int]], rng: random.Random | None = No
                          checks: list[bool] | None = None) -> str:
     """The response to a packed prompt (ccr.py): the thinking section closes at once, then for each problem its
     running sums and its `Answer k: \\boxed{..}` line, in order. The answers sit in the answer section because
-    that is all ccr.py parses once a `</think>` exists (spec/ccr.md: a draft inside the thinking must not count);
-    solving in the answer section, problem by problem, keeps the credit of answers finished before the cap."""
+    that is all ccr.py parses once a `</think>` exists (docs/ccr.md, "Answer recovery": a draft inside the thinking
+    must not count); solving in the answer section, problem by problem, keeps the credit of answers finished
+    before the cap."""
     lines = []
     for k, numbers in enumerate(packed, 1):
         steps, total = _running_sums(numbers, rng, error_rate)
@@ -403,7 +404,7 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> list[float]:
         for i, (ids, n_prompt) in enumerate(batch):
             input_ids[i, : len(ids)] = torch.tensor(ids)
             labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
-        # right padding only: positions 0..n-1 match what vLLM sees (notes/tiny-task-calibration.md)
+        # right padding only: positions 0..n-1 match what vLLM sees
         # (causal attention never lets a real token see the pads after it, so no mask is needed)
         loss = model(input_ids=input_ids, labels=labels).loss
         opt.zero_grad(set_to_none=True)

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import grpo  # noqa: E402
-from common import dist, engine  # noqa: E402
+from common import engine, parallel  # noqa: E402
 from common.tiny import build_tokenizer, tiny_dataset, tiny_model_path  # noqa: E402
 
 
@@ -30,7 +30,7 @@ def trainer_logprobs(model, tok, prompts, groups, device):
     out = {}
     with torch.no_grad():
         for micro in grpo.make_micro_batches(list(range(len(seqs))), [len(s) for s in seqs], 512):
-            ids = grpo.pad_batch([seqs[i] for i in micro], tok.pad_token_id, device)
+            ids = grpo.pad_batch([seqs[i] for i in micro], device)
             lp, _ = grpo.sequence_logprobs(model, ids, [starts[i] for i in micro], [lens[i] for i in micro], 1.0, 64)
             out.update(zip(micro, lp.split([lens[i] for i in micro])))
     return [out[i] for i in range(len(seqs))]
@@ -39,13 +39,13 @@ def trainer_logprobs(model, tok, prompts, groups, device):
 def main(out_dir: Path) -> None:
     from vllm import SamplingParams
 
-    rank, world, device = dist.init()
+    rank, world, device = parallel.init()
     path = tiny_model_path()
     tok = build_tokenizer()
-    model = dist.shard(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), device)
+    model = parallel.shard(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), device)
     llm = engine.create_engine(path, max_model_len=512, seed=0)
     engine.sync_weights(llm, model)
-    prompts = [grpo.encode_prompt(tok, "{problem}", r["problem"]) for r in tiny_dataset("test")[:10]]
+    prompts = [grpo.encode_chat(tok, r["problem"]) for r in tiny_dataset("test")[:10]]
 
     def sample(round_: int):
         params = [SamplingParams(n=2, temperature=1.0, max_tokens=60, logprobs=0, seed=grpo.request_seed(7, round_, i))
@@ -58,11 +58,11 @@ def main(out_dir: Path) -> None:
     seqs = [p + c.token_ids for p, g in zip(prompts, before) for c in g]
     starts = [len(p) for p, g in zip(prompts, before) for _ in g]
     lens = [len(c.token_ids) for g in before for c in g]
-    for micro in dist.even(grpo.make_micro_batches(dist.mine(range(len(seqs))), [len(s) for s in seqs], 256)):
+    for micro in parallel.even(grpo.make_micro_batches(parallel.mine(range(len(seqs))), [len(s) for s in seqs], 256)):
         if not micro:
-            dist.idle_pass(model)
+            parallel.idle_pass(model)
             continue
-        ids = grpo.pad_batch([seqs[i] for i in micro], tok.pad_token_id, device)
+        ids = grpo.pad_batch([seqs[i] for i in micro], device)
         lp, _ = grpo.sequence_logprobs(model, ids, [starts[i] for i in micro], [lens[i] for i in micro], 1.0, 64)
         (-lp.sum() / sum(lens)).backward()
     optimizer.step()
@@ -75,7 +75,7 @@ def main(out_dir: Path) -> None:
     trainer = trainer_logprobs(model, tok, prompts, after, device)
     for k, (t, c) in enumerate(zip(trainer, [c for g in after for c in g])):
         gaps[(k // 2) % world] = max(gaps[(k // 2) % world], float((t - torch.tensor(c.logprobs)).abs().max()))
-    weights = {n: dist.full(p.detach()).clone() for n, p in model.named_parameters()}
+    weights = {n: parallel.full(p.detach()).clone() for n, p in model.named_parameters()}
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         torch.save(weights, out_dir / "weights.pt")

@@ -10,7 +10,10 @@ preset.
 
 import math
 
+import pytest
 from conftest import CPU_ONLY, MISMATCH_KL, read_scalars, run_script, run_straight_and_resumed
+
+pytestmark = pytest.mark.slow  # end-to-end runs: the full suite only (the fast tier: -m 'not slow')
 
 STEPS = 20
 LONG = ["--tiny", "--num-steps", str(STEPS), "--tau-global", "0.5", "--tau-local", "0.5", "--eval-every", "0",
@@ -63,7 +66,7 @@ def test_ac2_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
 
 
 def test_ac2_stale_buffer_holds_a_whole_refresh(tmp_path):
-    # issue 11, item 1: the paper's stale-buffer variant; the buffer was a FIFO of --buffer-size (24 on tiny)
+    # the paper's stale-buffer variant: a refresh's rollouts are the whole buffer, not a FIFO of --buffer-size (24)
     run_script("ac2.py", "--tiny", "--stale-every", "5", "--num-steps", "1", "--eval-every", "0",
                "--run-name", "stale", cwd=tmp_path)
     s = read_scalars(tmp_path / "runs/stale")

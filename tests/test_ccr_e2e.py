@@ -2,7 +2,10 @@
 
 import math
 
+import pytest
 from conftest import CPU_ONLY, MISMATCH_KL, read_scalars, run_script, run_straight_and_resumed
+
+pytestmark = pytest.mark.slow  # end-to-end runs: the full suite only (the fast tier: -m 'not slow')
 
 # 96 problems -> 32 packs of 3 per epoch, 8 packs per step, 2 epochs = 8 steps
 SMALL = ["--tiny", "--subset-size", "96", "--packs-per-step", "8", "--epochs", "2", "--eval-every", "4",
@@ -28,7 +31,7 @@ def test_ccr_truncated_completions_keep_partial_credit(tmp_path):
     assert all(v <= 192 for v in s["ccr/completion_len_mean"].values())
     # tokens per step vs the same 8 x 3 problems solved one at a time (4 samples each) by grpo.py in its
     # single-problem window: the held-out single-problem response length at step 0 stands in for it
-    single_problem_tokens = 8 * 3 * 4 * s["eval/tokens_per_problem"][0]
+    single_problem_tokens = 8 * 3 * 4 * s["eval/response_len_mean"][0]
     ccr_tokens = sum(s["ccr/tokens_per_step"].values()) / 8
     # tiny answers are short and never fill a single-problem window, so the saving is only what the cap cuts
     # (check: lines and the third problem; 0.93x when measured), far from the paper's -82% against 32k windows

@@ -1,4 +1,4 @@
-"""CCR's rules (spec/ccr.md) pinned to hand-computed values."""
+"""CCR's rules (docs/ccr.md) pinned to hand-computed values."""
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ import ccr
     ("Answer 2: \\boxed{5}\nAnswer 1: \\boxed{3}", 2, ["3", None]),
     # a marker without its own boxed answer does not borrow the next problem's
     ("Answer 1: I am not sure.\nAnswer 2: \\boxed{5}", 2, [None, None]),
-    # once thinking has ended only the answer section counts: drafts inside it do not (issue 11, item 9)
+    # once thinking has ended only the answer section counts: drafts inside it do not
     ("<think>\n1+2=3\nAnswer 1: \\boxed{3}\n</think>\nAnswer 2: \\boxed{9}", 2, [None, None]),
     ("<think>Answer 1: 5 I think.</think>\nAnswer 1: \\boxed{5}\nAnswer 2: \\boxed{6}", 2, ["5", "6"]),
     ("<think>Answer 1: \\boxed{4}</think>\nAnswer 1: \\boxed{5}", 1, ["5"]),  # a draft box never beats the final
@@ -32,7 +32,7 @@ import ccr
     ("1+2=3\nAnswer 1: \\boxed{3}\n4+5=9\nAnswer 2: \\boxed{9}\n7+", 3, ["3", "9", None]),
     # the tiny model's layout: thinking closed at once, then each problem solved and answered in order
     ("</think>\n\n1+2=3\nAnswer 1: \\boxed{3}\n4+5=9\nAnswer 2: \\boxed{9}", 2, ["3", "9"]),
-    # an empty box is no answer, and ends the run (issue 11, item 10)
+    # an empty box is no answer, and ends the run
     ("Answer 1: \\boxed{}\nAnswer 2: \\boxed{}\nAnswer 3: \\boxed{}", 3, [None, None, None]),
     ("Answer 1: \\boxed{3}\nAnswer 2: \\boxed{ }\nAnswer 3: \\boxed{7}", 3, ["3", None, None]),
     ("no answers at all", 2, [None, None]),

@@ -1,4 +1,4 @@
-"""Data parallelism (common/dist.py) on CPU: `torchrun --nproc_per_node 2`, gloo, FSDP2 and a real vLLM engine in
+"""Data parallelism (common/parallel.py) on CPU: `torchrun --nproc_per_node 2`, gloo, FSDP2 and a real vLLM engine in
 every rank, against the same thing in one plain process. The algorithm must not depend on the world size."""
 
 import json
@@ -10,6 +10,8 @@ import pytest
 import torch
 from conftest import CPU_ONLY, LOGPROB_GAP, ROOT, command, read_scalars, run_script, run_straight_and_resumed
 from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow  # end-to-end runs: the full suite only (the fast tier: -m 'not slow')
 
 
 def run_worker(ranks: int, out, timeout: int = 900, torchrun: bool | None = None) -> dict:

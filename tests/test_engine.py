@@ -52,7 +52,7 @@ def _max_gap(llm, model, prompt, seed):
 def test_sync_weights_makes_vllm_logprobs_equal_the_trainers_twice_in_a_row(engine_and_model):
     llm, model = engine_and_model
     tok = build_tokenizer()
-    prompt = grpo.encode_prompt(tok, "{problem}", "Add: 12+34+56")
+    prompt = grpo.encode_chat(tok, "Add: 12+34+56")
     engine.sync_weights(llm, model)
     assert _max_gap(llm, model, prompt, seed=1) < LOGPROB_GAP
     gen = torch.Generator().manual_seed(0)
@@ -72,7 +72,7 @@ def test_generate_returns_finish_reasons_and_end_of_turn_token(engine_and_model,
 
     engine.sync_weights(llm, AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
     tok = build_tokenizer()
-    prompt = grpo.encode_prompt(tok, "{problem}", "Add: 12+34")
+    prompt = grpo.encode_chat(tok, "Add: 12+34")
     done, cut = engine.generate(llm, [prompt, prompt], [SamplingParams(temperature=0, max_tokens=100),
                                                         SamplingParams(temperature=0, max_tokens=3)])
     assert done[0].finish_reason == "stop" and done[0].token_ids[-1] == tok.eos_token_id

@@ -5,7 +5,10 @@ import json
 import os
 import subprocess
 
+import pytest
 from conftest import ROOT
+
+pytestmark = pytest.mark.slow  # end-to-end runs: the full suite only (the fast tier: -m 'not slow')
 
 PHASES = {"engine_start", "rollout", "old_logprobs", "backward", "optimizer_step", "wake_up"}
 

@@ -3,6 +3,7 @@
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import CPU_ONLY, MISMATCH_KL, MISMATCH_MAX, read_scalars, run_script, run_straight_and_resumed
 from safetensors.torch import load_file
@@ -41,6 +42,7 @@ def test_grpo_tiny_run_logs_every_metric_and_changes_the_weights(tmp_path, tiny_
     assert len(changed) == len(before), "every parameter tensor should have moved"
 
 
+@pytest.mark.slow
 @CPU_ONLY
 def test_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
     # the same run, killed (SIGKILL) once its step-2 checkpoint exists, then resumed from it

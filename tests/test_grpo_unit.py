@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import grpo
-from common import dist
+from common import parallel
 
 
 def test_group_advantages_mean_only_and_std():
@@ -122,7 +122,7 @@ def test_checkpoint_is_atomic_when_killed_mid_save(tmp_path, small_model, monkey
 
     tok = build_tokenizer()
     opt = torch.optim.AdamW(small_model.parameters())
-    good = dist.save_checkpoint(tmp_path, 2, small_model, tok, {"optimizer": opt}, {"entropy_k": 0.1}, keep=2)
+    good = parallel.save_checkpoint(tmp_path, 2, small_model, tok, {"optimizer": opt}, {"entropy_k": 0.1}, keep=2)
     # an optimizer that has not stepped is not saved, and saving gives it no state (AdamW counts its steps)
     assert not opt.state and torch.load(good / "trainer_state.pt", weights_only=False)["optimizers_saved"] == []
     real_save = torch.save
@@ -133,14 +133,14 @@ def test_checkpoint_is_atomic_when_killed_mid_save(tmp_path, small_model, monkey
 
     monkeypatch.setattr(torch, "save", dying_save)
     with pytest.raises(KeyboardInterrupt):
-        dist.save_checkpoint(tmp_path, 4, small_model, tok, {"optimizer": opt}, {"entropy_k": 0.2}, keep=2)
+        parallel.save_checkpoint(tmp_path, 4, small_model, tok, {"optimizer": opt}, {"entropy_k": 0.2}, keep=2)
     monkeypatch.setattr(torch, "save", real_save)
     assert not (tmp_path / "step_4").exists()
-    assert dist.find_checkpoint(str(tmp_path)) == good
+    assert parallel.find_checkpoint(str(tmp_path)) == good
     assert torch.load(good / "trainer_state.pt", weights_only=False)["entropy_k"] == 0.1
     # a later save cleans the leftovers and rotation keeps the newest `keep`
     for s in (4, 6, 8):
-        dist.save_checkpoint(tmp_path, s, small_model, tok, {"optimizer": opt}, {}, keep=2)
+        parallel.save_checkpoint(tmp_path, s, small_model, tok, {"optimizer": opt}, {}, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_6", "step_8"]
     with pytest.raises(SystemExit, match="no checkpoint"):
-        dist.find_checkpoint(str(tmp_path / "nothing"))
+        parallel.find_checkpoint(str(tmp_path / "nothing"))

@@ -234,11 +234,9 @@ def test_math_verify_cases_and_timeout_safety():
         v.close()
 
 
-@pytest.mark.parametrize("script", ["grpo", "ac2"])
-def test_a_step_with_most_judge_calls_failed_warns_with_causes_and_extends_the_streak(script):
-    import importlib
+def test_a_step_with_most_judge_calls_failed_warns_with_causes_and_extends_the_streak():
+    from common.judges import judge_failure_streak as streak_of
 
-    streak_of = importlib.import_module(script).judge_failure_streak
     ok, bad400, timeout = (None, None), ("HTTP 400", "max_tokens must be <= 8192"), ("timeout", "no answer")
     streak, warning = streak_of([bad400, bad400, timeout, ok], 0)
     assert streak == 1 and warning == ("3 of 4 judge calls failed: HTTP 400 x2 (max_tokens must be <= 8192); "

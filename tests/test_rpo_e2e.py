@@ -2,8 +2,11 @@
 
 import math
 
+import pytest
 import torch
 from conftest import CPU_ONLY, MISMATCH_KL, read_scalars, run_script, run_straight_and_resumed
+
+pytestmark = pytest.mark.slow  # end-to-end runs: the full suite only (the fast tier: -m 'not slow')
 
 # 64 problems, 16 per step, 2 epochs = 8 steps
 SMALL = ["--tiny", "--train-limit", "64", "--problems-per-step", "16", "--epochs", "2", "--eval-every", "4",
@@ -14,7 +17,8 @@ def test_rpo_decodes_only_short_tails_and_the_cache_moves(tmp_path):
     run_script("rpo.py", *SMALL, "--run-name", "e2e", cwd=tmp_path)
     s = read_scalars(tmp_path / "runs/e2e")
     for key in ["charts/decoding_flops", "charts/generated_tokens", "train/reward_mean", "losses/policy_loss",
-                "losses/clipfrac", "losses/approx_kl", "losses/entropy", "sampling/mismatch_kl", "time/generate",
+                "losses/clipfrac", "losses/approx_kl", "rpo/continuation_entropy", "sampling/mismatch_kl",
+                "time/generate",
                 "rpo/new_tokens_per_sample", "rpo/m_mean", "rpo/L_mean", "rpo/cache_correct_frac",
                 "rpo/cache_len_mean", "rpo/reward_before_shaping", "rpo/reward_after_shaping"]:
         first = 0 if key.startswith("charts/") else 1  # the cache initialisation is logged at step 0
@@ -52,7 +56,7 @@ def test_rpo_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
 
 
 def test_rpo_evaluates_a_set_whose_problem_field_has_its_own_name(tmp_path):
-    # issue 11, item 8: evaluation used to read the training set's field name (`problem`)
+    # the evaluation set's problem field has its own flag: here it is not the training set's `problem`
     import json
 
     from common.tiny import tiny_dataset

@@ -1,4 +1,4 @@
-"""RPO's rules (spec/rpo.md) pinned to hand-computed values."""
+"""RPO's rules (docs/rpo.md) pinned to hand-computed values."""
 
 import itertools
 import math
@@ -61,13 +61,12 @@ def test_cache_update_picks_the_best_with_probability_epsilon():
     assert rpo.pick_cache_entry([0.3], 0.0, rng) == 0
 
 
-def test_grpo_advantages_and_clipped_surrogate():
+def test_grpo_advantages_and_the_clipped_surrogate():
     adv = rpo.grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), 2)
     s = math.sqrt(0.5)  # unbiased std of [1, 0]
     assert adv.tolist() == pytest.approx([0.5 / (s + 1e-4), -0.5 / (s + 1e-4), 0.0, 0.0])
-    loss, clipped, _ = rpo.clipped_surrogate(torch.log(torch.tensor([1.5, 0.5])), torch.zeros(2),
-                                            torch.tensor([1.0, -1.0]), 0.2, 0.2)
-    assert loss.tolist() == pytest.approx([-1.2, 0.8]) and clipped.tolist() == [True, True]
+    loss, st = rpo.ppo_loss(torch.log(torch.tensor([1.5, 0.5])), torch.zeros(2), torch.tensor([1.0, -1.0]), 0.2, 0.2)
+    assert loss.tolist() == pytest.approx([-1.2, 0.8]) and (st["clip_low"] | st["clip_high"]).tolist() == [True, True]
 
 
 def test_prefix_in_loss_changes_exactly_which_tokens_carry_loss():

@@ -2,7 +2,7 @@
 
 `python grpo.py ...` on a CPU is one process and nothing here communicates. `torchrun --nproc_per_node 8
 grpo.py ...` (or `--nnodes N ...`) runs one process per GPU, each with its own in-process vLLM engine -- the
-layout TRL calls "colocate" (facts verified on CPU: ../shared/notes/distributed-cpu.md). The algorithm is
+layout TRL calls "colocate" (what was verified on CPU, and the init order that works: docs/scaling.md). The algorithm is
 written once, for the whole batch, and reads the same at any world size because:
 
 - **Every rank holds all of the algorithm's state, identical everywhere.** Each rank samples and scores its
@@ -191,7 +191,7 @@ def offload_state(optimizer: torch.optim.Optimizer, device: torch.device | str) 
         torch.cuda.synchronize()
 
 
-def step(optimizer: torch.optim.Optimizer, device: torch.device, offload: bool) -> None:
+def optimizer_step(optimizer: torch.optim.Optimizer, device: torch.device, offload: bool) -> None:
     """`optimizer.step()`; with `offload`, the state comes to `device` for the step and goes back to CPU memory."""
     if offload:
         offload_state(optimizer, device)
@@ -288,6 +288,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizers: dict
         shutil.rmtree(run_dir / f".step_{step}.old", ignore_errors=True)
         for old in sorted(run_dir.glob("step_*"), key=lambda p: int(p.name[5:]))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+        print(f"saved {final}", flush=True)
     barrier()
     return final
 
