@@ -27,6 +27,7 @@ import random
 import re
 import sys
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -38,9 +39,9 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
-from common import engine, parallel
+from common import engine, parallel, plan
 from common.data import load_rows
-from common.judges import extract_final_answer, extract_proof, start_judge, watch_judge
+from common.judges import Watch, extract_final_answer, extract_proof, start_judge, watch_scores
 from common.tiny import TINY_CRITIC_INSTRUCTION, TINY_CRITIC_REFERENCE, resolve_model, tiny_reward
 
 ACTOR_PROMPT = (  # Appendix C
@@ -115,6 +116,9 @@ class Args:
     """training problems (a fixed seeded sample) also evaluated at every evaluation, as eval/train_score (0: off)"""
     prompt_template: str = ACTOR_PROMPT
     """user message; `{problem}` is replaced by the problem (default: the paper's actor prompt)"""
+    max_ungradable_steps: int = 3
+    """stop (with a checkpoint) after this many consecutive steps in which no response held an answer the reward can
+    grade: every reward 0, a model that ignores the prompt's format"""
     judge_base_url: str = "https://api.deepseek.com/v1"
     """base URL of the judge's OpenAI-compatible API (the paper used DeepSeek-V4-Flash)"""
     judge_model: str = "deepseek-v4-flash"
@@ -162,6 +166,19 @@ class Args:
     """rollout top-p"""
     top_k: int = -1
     """rollout top-k (-1: off)"""
+    rollout_correction: Literal["none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"] = "none"
+    """importance weights w = pi_train_old / pi_vllm of the sampled tokens on the per-token policy loss, for the gap
+    between vLLM's sampling and the trainer (other kernels, bf16 on GPU): per token, or per sequence from the
+    geometric mean of its tokens' ratios (not their product, which over thousands of tokens is almost never near 1);
+    truncated at C (min(w, C)) or masked outside [1/C, C]. None of the papers corrects: off (project choice;
+    docs/reference.md, "Rollout correction")"""
+    rollout_correction_cap: float | None = None
+    """C; default 3 per token (TRL's cap) and 1.01 per sequence (a 1% systematic gap per token: a healthy bf16
+    sequence's geometric mean lies within ~0.2% of 1)"""
+    old_logprobs: Literal["trainer", "engine"] = "trainer"
+    """the PPO ratio's old log-probabilities: recomputed by the trainer (the papers), or the engine's sampling ones,
+    which skips the trainer's forward pass over every token of the step (verl's bypass mode, prime-rl) -- the ratio's
+    denominator is then the sampler's policy, its gap to the trainer included; sampling/mismatch_* is not measured"""
 
     # --- readiness (Section 3.1, Appendix C) ---
     readiness: Literal["local", "global"] = "local"
@@ -249,6 +266,14 @@ class Args:
     offload_optimizer: bool = False
     """keep the actor's AdamW state (8 bytes per parameter) in CPU memory except during its steps, as the critic's
     always is (GPU; see the README's memory plan for when this makes a model fit)"""
+    vllm_max_num_seqs: int = 0
+    """sequences the engine decodes at once; 0: on GPU as many as its KV cache holds at the rows' expected length
+    (half their limit), so that rows are not preempted and prefilled again; on CPU vLLM's default"""
+    no_memory_check: bool = False
+    """on GPU, start even when the memory plan says the run does not fit (common/plan.py)"""
+    collective_timeout_s: float = 86_400.0
+    """how long a rank waits for the others before the run fails (one step's generation and judge grading included,
+    hours apart between ranks at 50,000-token responses)"""
     critic_context_extra: int = 16_384
     """engine context beyond prompt + budget, for the critic instruction and reference (longer = overflow)"""
 
@@ -892,15 +917,16 @@ def critic_wave(llm, tok, train: Problems, groups: list[Group], bank: ReferenceB
             q.group.critic[q.sample] = None if overflow else value
 
 
-def judge_groups(groups: list[Group], train: Problems, args: Args, judge) -> list:
-    """Step 5: every row the critic does not score goes to the judge (points / 7); returns the judge's calls."""
+def judge_groups(groups: list[Group], train: Problems, args: Args, judge) -> tuple[list, int, int]:
+    """Step 5: every row the critic does not score goes to the judge (points / 7). Returns the judge's calls, and
+    how many of the judged rows held a proof it could grade, of how many."""
     todo = [(g, i) for g in groups for i in range(len(g.samples)) if not g.consumed[i]]
     verdicts, calls = grade([g.texts[i] for g, i in todo], [train.rows[g.problem] for g, _ in todo], args, judge)
     for g in groups:
         g.verdicts = [None] * len(g.samples)
     for (g, i), verdict in zip(todo, verdicts):
         g.verdicts[i] = verdict
-    return calls
+    return calls, sum(find_proof(g.texts[i], args.dataset == "tiny") is not None for g, i in todo), len(todo)
 
 
 def critic_bookkeeping(groups: list[Group], tracker: ReadinessTracker, bank: ReferenceBank, fifo: CriticFifo,
@@ -952,6 +978,21 @@ def refill_rows(groups: list[Group]) -> list[TrainRow]:
             for s in g.samples[:1] if s.completion.token_ids]
 
 
+def old_logprobs_and_entropy(model, actor: list[TrainRow], refills: list[TrainRow], args: Args, peaks) -> float:
+    """Step 10's old log-probabilities of the actor's rows, and Eq. 9's H-hat from the rows with an empty prefix.
+    With --old-logprobs engine the trainer still scores the empty-prefix rows, whose entropies Eq. 9 needs, and every
+    actor row takes the engine's log-probabilities: the pass over the replayed prefixes' continuations is saved."""
+    rows = actor + refills
+    if args.old_logprobs == "trainer":
+        old_logprobs(model, rows, args.temperature, args, peaks)
+        return empty_prefix_entropy(rows, args)
+    fresh = [r for r in rows if r.prefix_len == 0]
+    old_logprobs(model, fresh, args.temperature, dataclasses.replace(args, old_logprobs="trainer"), peaks)
+    entropy = empty_prefix_entropy(fresh, args)
+    old_logprobs(model, actor, args.temperature, args, peaks)
+    return entropy
+
+
 def empty_prefix_entropy(rows: list[TrainRow], args: Args) -> float:
     """Eq. 9's H-hat: the mean token entropy at the rollout temperature over rows with an empty prefix (refills,
     cold starts, cuts at 0), all ranks together; H* itself (no change of k) when there are none."""
@@ -959,16 +1000,27 @@ def empty_prefix_entropy(rows: list[TrainRow], args: Args) -> float:
     return parallel.mean_all(torch.cat(ents or [torch.zeros(0)]).float().cpu(), default=args.entropy_target)
 
 
-def snapshot(model) -> list[torch.Tensor]:
-    """A CPU copy of this process's weights (its shards under FSDP): never a second full copy on the GPU."""
-    return [parallel.local(p).detach().to("cpu", copy=True) for p in model.parameters()]
+class Snapshot:
+    """A copy of this process's weights (its shards under FSDP) in host memory, for the LR ladder's ||d theta||
+    (Appendix C): one set of buffers for the whole run, refilled before each of a step's three updates (pinned on
+    GPU, for fast copies), never a second copy on the GPU."""
 
+    def __init__(self):
+        self.buffers: list[torch.Tensor] = []
 
-def displacement(model, before: list[torch.Tensor]) -> float:
-    """L2 norm of the parameter change since `before` (for the critic LR ladder), one parameter at a time."""
-    local = sum(float((parallel.local(p).detach() - b.to(parallel.local(p).device)).float().pow(2).sum())
-                for p, b in zip(model.parameters(), before))
-    return math.sqrt(parallel.sum_all(local))
+    def take(self, model) -> None:
+        parallel.reshard(model)  # after the old log-prob pass the root's parameters are still gathered
+        params = [parallel.local(p).detach() for p in model.parameters()]
+        if not self.buffers:
+            self.buffers = [torch.empty(p.shape, dtype=p.dtype, pin_memory=p.is_cuda) for p in params]
+        for buffer, p in zip(self.buffers, params):
+            buffer.copy_(p)
+
+    def displacement(self, model) -> float:
+        """L2 norm of the parameter change since `take` (all ranks), one parameter at a time."""
+        local = sum(float((parallel.local(p).detach() - b.to(parallel.local(p).device)).float().pow(2).sum())
+                    for p, b in zip(model.parameters(), self.buffers))
+        return math.sqrt(parallel.sum_all(local))
 
 
 def actor_loss(rows: list[TrainRow], logp, clip_high: float, denom: float, args: Args):
@@ -976,6 +1028,8 @@ def actor_loss(rows: list[TrainRow], logp, clip_high: float, denom: float, args:
     adv = torch.cat([torch.full((r.n,), r.advantage) for r in rows]).to(logp.device)
     tok_loss, st = ppo_loss(logp, torch.cat([r.old_logp for r in rows]), adv, args.clip_low, clip_high,
                             args.dual_clip)
+    if args.rollout_correction != "none":  # the sampler's gap, weighed token by token (the actor's loss only)
+        tok_loss = tok_loss * torch.cat([r.is_weight for r in rows])
     return tok_loss.sum() / denom, {key: float(v.detach().float().sum()) for key, v in st.items()}
 
 
@@ -985,8 +1039,8 @@ def critic_loss(rows: list[TrainRow], logp, n_records: int):
     return -(logp * w).sum() / n_records, {}
 
 
-def critic_step(model, critic_opt, rows: list[TrainRow], n_records: int, lr: float, args: Args,
-                peaks) -> tuple[float, float | None]:
+def critic_step(model, critic_opt, rows: list[TrainRow], n_records: int, lr: float, args: Args, peaks,
+                snapshot: Snapshot) -> tuple[float, float | None]:
     """One critic AdamW step (its state visits the GPU for this step only). Returns (loss, ||d_critic||): nan and
     None without records, and d = inf for a step skipped as non-finite (the ladder counts it, as the released
     code does)."""
@@ -994,15 +1048,16 @@ def critic_step(model, critic_opt, rows: list[TrainRow], n_records: int, lr: flo
         return float("nan"), None
     for group in critic_opt.param_groups:
         group["lr"] = lr
-    before = snapshot(model)
+    snapshot.take(model)
     result = train_minibatch(model, critic_opt, rows, list(range(len(rows))), partial(critic_loss, n_records=n_records),
                              1.0, args.critic_max_grad_norm, args, peaks, offload=True,
                              phases=("critic_step", "critic_step"))
-    return result.loss, displacement(model, before) if result.stepped else math.inf
+    return result.loss, snapshot.displacement(model) if result.stepped else math.inf
 
 
 def train_actor_and_critic(model, actor_opt, critic_opt, actor: list[TrainRow], critic: list[TrainRow],
-                           n_records: int, clip_high: float, ladder: CriticLR, args: Args, peaks) -> dict:
+                           n_records: int, clip_high: float, ladder: CriticLR, args: Args, peaks,
+                           snapshot: Snapshot) -> dict:
     """Step 10 (Section 3.3): actor minibatch 1 -> one critic step -> actor minibatch 2 on the shared weights, each
     with its own AdamW state; then the critic's LR ladder on rho = ||d_critic|| / (||d_ppo1|| + ||d_ppo2||)."""
     model.train()
@@ -1010,11 +1065,12 @@ def train_actor_and_critic(model, actor_opt, critic_opt, actor: list[TrainRow], 
     critic_loss_value, d_critic = float("nan"), None
     for m, mb in enumerate(minibatches(actor, args.num_minibatches)):
         if m == 1:
-            critic_loss_value, d_critic = critic_step(model, critic_opt, critic, n_records, ladder.lr, args, peaks)
+            critic_loss_value, d_critic = critic_step(model, critic_opt, critic, n_records, ladder.lr, args, peaks,
+                                                      snapshot)
         if not mb:
             d_actor.append(0.0)
             continue
-        before = snapshot(model)
+        snapshot.take(model)
         loss = partial(actor_loss, clip_high=clip_high, denom=sum(actor[i].n for i in mb), args=args)
         result = train_minibatch(model, actor_opt, actor, mb, loss, args.temperature, args.max_grad_norm, args, peaks,
                                  args.offload_optimizer)
@@ -1022,9 +1078,10 @@ def train_actor_and_critic(model, actor_opt, critic_opt, actor: list[TrainRow], 
         totals["policy_loss"] += result.loss / args.num_minibatches
         grad_norms.append(result.grad_norm)
         skipped += not result.stepped
-        d_actor.append(displacement(model, before))
+        d_actor.append(snapshot.displacement(model))
     if args.num_minibatches == 1:
-        critic_loss_value, d_critic = critic_step(model, critic_opt, critic, n_records, ladder.lr, args, peaks)
+        critic_loss_value, d_critic = critic_step(model, critic_opt, critic, n_records, ladder.lr, args, peaks,
+                                                  snapshot)
     model.zero_grad(set_to_none=True)  # free the gradients before the engine takes the memory back
     rho = ladder_ratio(d_critic, d_actor)
     ladder.update(rho, args)
@@ -1068,10 +1125,14 @@ def step_scalars(groups, lane_tokens, probes, newly_ready, tracker, bank, buffer
     return scalars
 
 
+def completions(groups: list[Group]) -> list[str]:
+    return [f"**{g.lane}, v={g.values[0]:.2f}**\n```\n{g.texts[0][-1500:]}\n```" for g in groups if g.samples][:4]
+
+
 def progress_line(step: int, scalars: dict, last_eval: float, tracker: ReadinessTracker, clock: Clock,
                   args: Args) -> str:
     t, tokens = clock.times, sum(v for k, v in scalars.items() if k.startswith("ac2/tokens_"))
-    return (f"step {step}/{args.num_steps} | reward {scalars['train/reward_mean']:.3f} | eval {last_eval:.3f} | "
+    return (f"step {step}/{args.num_steps} | reward {scalars['train/reward_mean']:.3f}{eval_field(last_eval)} | "
             f"ready {scalars['ac2/ready_problems']} gate {int(tracker.gate_open())} mae "
             f"{scalars['ac2/global_mae']:.3f} | consumed {scalars['ac2/consumed_rows']} | tokens {tokens} | gen "
             f"{t['time/generate']:.1f}s critic {t['time/critic']:.1f}s train {t['time/train']:.1f}s")
@@ -1125,11 +1186,12 @@ class TrainRow:
     n: int
     advantage: float = 0.0
     weight: float = 1.0
-    sampled: list[float] = dataclasses.field(default_factory=list)
+    sampled: Sequence[float] = ()
     prefix_len: int = 0  # tokens of a replayed prefix after the prompt (AC2, RPO); 0: a response to the prompt alone
     old_logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
+    is_weight: torch.Tensor | None = None  # --rollout-correction's weight of each loss token (1 where not sampled)
 
 
 @dataclasses.dataclass
@@ -1246,48 +1308,117 @@ def autocast(device):
 def old_logprobs(model, rows: list[TrainRow], temperature: float, args, peaks, ref_model=None) -> None:
     """The trainer's log-probabilities (logits / T) and entropies of every row's loss tokens before the update --
     and the frozen reference's, with `ref_model` -- for the rows this rank trains (all of them in one process;
-    row i: rank i % world under torchrun). The ratio's denominator is recomputed, not the engine's."""
+    row i: rank i % world under torchrun). With --old-logprobs engine the policy's pass is skipped: every row's old
+    log-probabilities are the engine's (each rank has them all), and there are no entropies; a reference model
+    still scores the rows."""
     device = next(model.parameters()).device
+    from_engine = args.old_logprobs == "engine"
+    if from_engine:
+        for r in rows:
+            r.old_logp = torch.tensor(r.sampled, dtype=torch.float32, device=device)
+        if ref_model is None:
+            return
     model.eval()
     peaks.start()
     with torch.no_grad(), autocast(device):
         for micro in parallel.even(make_micro_batches(parallel.mine(range(len(rows))), [len(r.ids) for r in rows],
                                                       args.micro_batch_tokens)):
             if not micro:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
-                parallel.idle_pass(model)
+                if not from_engine:
+                    parallel.idle_pass(model)
                 if ref_model is not None:
                     parallel.idle_pass(ref_model)
                 continue
             batch = [rows[i] for i in micro]
             ids, starts, ns = pad_batch([r.ids for r in batch], device), [r.start for r in batch], [r.n for r in batch]
-            lp, ent = sequence_logprobs(model, ids, starts, ns, temperature, args.logprob_chunk_tokens,
-                                        with_entropy=True)
-            ref = sequence_logprobs(ref_model, ids, starts, ns, temperature, args.logprob_chunk_tokens)[0] \
-                if ref_model is not None else None
-            for r, a, b, c in zip(batch, lp.split(ns), ent.split(ns), ref.split(ns) if ref is not None else ns):
-                r.old_logp, r.entropy, r.ref_logp = a, b, (c if ref is not None else None)
+            if not from_engine:
+                lp, ent = sequence_logprobs(model, ids, starts, ns, temperature, args.logprob_chunk_tokens,
+                                            with_entropy=True)
+                for r, a, b in zip(batch, lp.split(ns), ent.split(ns)):
+                    r.old_logp, r.entropy = a, b
+            if ref_model is not None:
+                ref = sequence_logprobs(ref_model, ids, starts, ns, temperature, args.logprob_chunk_tokens)[0]
+                for r, c in zip(batch, ref.split(ns)):
+                    r.ref_logp = c
     peaks.end("old_logprobs")
 
 
 def sampled_tokens(rows: list[TrainRow], field: str = "old_logp") -> torch.Tensor:
     """This rank's rows' `old_logp` or `entropy` on the tokens the engine sampled, on the CPU, in row order."""
-    mine = [r for r in rows if r.old_logp is not None]
+    mine = [r for r in rows if getattr(r, field) is not None]
     return torch.cat([getattr(r, field)[r.n - len(r.sampled):] for r in mine] or [torch.zeros(0)]).float().cpu()
 
 
 def sampled_entropy(rows: list[TrainRow]) -> float:
     """The mean token entropy (at the sampling temperature, before the update) over the tokens the engine sampled,
-    all ranks together."""
-    return parallel.mean_all(sampled_tokens(rows, "entropy"))
+    all ranks together (NaN with --old-logprobs engine: no pass measured it)."""
+    return parallel.mean_all(sampled_tokens(rows, "entropy"), default=float("nan"))
 
 
-def sampler_gap(rows: list[TrainRow]) -> dict[str, float]:
+def sampler_gap(rows: list[TrainRow], args) -> dict[str, float]:
     """The engine's sampling log-probabilities against the trainer's old ones on the same tokens, over all ranks:
-    the k3 KL (`sampling/mismatch_kl`) and the largest gap (`sampling/mismatch_max`)."""
+    the k3 KL (`sampling/mismatch_kl`) and the largest gap (`sampling/mismatch_max`); NaN with --old-logprobs engine,
+    where the trainer's are not computed."""
+    if args.old_logprobs == "engine":
+        return {"sampling/mismatch_kl": float("nan"), "sampling/mismatch_max": float("nan")}
     engine_lp = torch.tensor([x for r in rows if r.old_logp is not None for x in r.sampled])
     log_ratio = sampled_tokens(rows) - engine_lp
     return {"sampling/mismatch_kl": parallel.mean_all(torch.exp(log_ratio) - 1 - log_ratio),
             "sampling/mismatch_max": parallel.max_all(float(log_ratio.abs().max()) if len(log_ratio) else 0.0)}
+
+
+def correction_cap(args) -> float:
+    return args.rollout_correction_cap or (3.0 if args.rollout_correction.startswith("token") else 1.01)
+
+
+def rollout_correction(rows: list[TrainRow], args) -> dict[str, float]:
+    """--rollout-correction: the importance weight of every loss token of the rows this rank trains, in
+    `row.is_weight` (detached; the loss multiplies its per-token policy term by it), and the rollout/* keys.
+
+    w = exp(old - vllm) on the tokens the engine sampled: per token, or per sequence from the mean log-ratio of its
+    sampled tokens (a geometric mean); truncated (min(w, C)) or masked (0 outside [1/C, C]). Tokens the engine did
+    not sample this step (RPO's replayed prefix) keep weight 1. The weights compare the trainer's log-probabilities
+    with the engine's of the same distribution: the engine's are processed (temperature applied), and top-p / top-k,
+    which would make them those of a truncated distribution, are refused with a correction on (`check_flags`)."""
+    if args.rollout_correction == "none":
+        return {}
+    cap, per_sequence = correction_cap(args), args.rollout_correction.startswith("sequence")
+    truncate = args.rollout_correction.endswith("truncate")
+    raw, changed, units = [], 0, 0
+    for r in rows:
+        if r.old_logp is None:
+            continue
+        k = len(r.sampled)
+        log_w = (r.old_logp[r.n - k:].float() - torch.tensor(r.sampled, device=r.old_logp.device)).detach()
+        if per_sequence and k:
+            log_w = log_w.mean().expand(k)
+        w = torch.exp(log_w)
+        out = w > cap if truncate else (w > cap) | (w < 1 / cap)
+        r.is_weight = torch.cat([torch.ones(r.n - k, device=w.device),
+                                 torch.clamp(w, max=cap) if truncate else torch.where(out, 0.0, w)])
+        raw.append(w.cpu())
+        counted = out[:1] if per_sequence else out  # a sequence counts once
+        changed, units = changed + int(counted.sum()), units + len(counted)
+    w = torch.cat(raw or [torch.zeros(0)])
+    verb = "truncated" if truncate else "masked"
+    return {"rollout/is_weight_mean": parallel.mean_all(w, default=float("nan")),
+            "rollout/is_weight_max": parallel.max_all(float(w.max()) if len(w) else 0.0),
+            f"rollout/is_{verb}_frac": parallel.sum_all(changed) / max(parallel.sum_all(units), 1)}
+
+
+def check_flags(args, needs_the_trainers_pass: str | None = None) -> None:
+    """Combinations of --rollout-correction and --old-logprobs that cannot work, refused in one sentence.
+    `needs_the_trainers_pass`: why this script cannot take the engine's old log-probabilities, if it cannot."""
+    correcting, from_engine = args.rollout_correction != "none", args.old_logprobs == "engine"
+    if correcting and from_engine:
+        raise SystemExit("--rollout-correction with --old-logprobs engine would weigh the engine's log-probabilities "
+                         "against themselves (every weight 1): choose one")
+    if (correcting or from_engine) and (args.top_p < 1 or args.top_k > 0):
+        raise SystemExit(f"--{'rollout-correction' if correcting else 'old-logprobs engine'} compares the engine's "
+                         "log-probabilities with the trainer's, but with top-p / top-k the engine's are those of a "
+                         "truncated distribution: sample with --top-p 1 --top-k -1")
+    if from_engine and needs_the_trainers_pass:
+        raise SystemExit(f"--old-logprobs engine skips the trainer's pass, but {needs_the_trainers_pass}")
 
 
 def minibatches(rows: list[TrainRow], num_minibatches: int) -> list[list[int]]:
@@ -1390,6 +1521,11 @@ def evaluate(step: int, llm, tok, held_out: Problems, train_sample: Problems, sc
     return logged["eval/mean_score"]
 
 
+def eval_field(last_eval: float) -> str:
+    """The progress line's last held-out score; nothing before the first evaluation, or without evaluations."""
+    return "" if math.isnan(last_eval) else f" | eval {last_eval:.3f}"
+
+
 def evaluating(step: int, last_step: int, args) -> bool:
     """Evaluate before training, every --eval-every steps and after the last step."""
     return bool(args.eval_every) and (step % args.eval_every == 0 or step == last_step)
@@ -1405,7 +1541,7 @@ def train_sample(n_problems: int, args) -> list[int]:
 def start_run(args) -> tuple[int, torch.device, Path | None, dict | None, str]:
     """Rank, device, the checkpoint to resume (with its state) and the run name; seeds Python, NumPy and torch.
     One process per GPU under torchrun, each holding all of the algorithm's state (common/parallel.py)."""
-    rank, world, device = parallel.init()
+    rank, world, device = parallel.init(args.collective_timeout_s)
     if rank == 0 and world > 1:
         print(f"{world} ranks, one {device.type} each", flush=True)
     resume_dir = parallel.find_checkpoint(args.resume) if args.resume else None
@@ -1417,31 +1553,48 @@ def start_run(args) -> tuple[int, torch.device, Path | None, dict | None, str]:
     return rank, device, resume_dir, ckpt, parallel.from_rank0(run_name)
 
 
-def load_policy(args, device, resume_dir: Path | None):
+def load_policy(args, device, resume_dir: Path | None, eval_problems: int = 0):
     """(model path, config, tokenizer, trainer): fp32 master weights, FSDP2-sharded under a process group
-    (common/parallel.py), gradient checkpointing on GPU; an unreachable model stops the run in one sentence."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    (common/parallel.py: only rank 0 reads them), gradient checkpointing on GPU. On GPU the plan speaks first,
+    before any weight is read (`check_plan`). An unreachable model stops the run in one sentence."""
+    from transformers import AutoConfig, AutoTokenizer
 
     model_path = resolve_model(args.model)
     try:
         config = AutoConfig.from_pretrained(model_path)
-        tok = AutoTokenizer.from_pretrained(model_path)
     except Exception as e:
         raise SystemExit(f"could not load model {args.model!r}: {str(e).splitlines()[0][:300]}") from None
-    model = AutoModelForCausalLM.from_pretrained(resume_dir / "policy" if resume_dir else model_path,
-                                                 dtype=torch.float32)
-    if device.type == "cuda" and args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    return model_path, config, tok, parallel.shard(model, device)
+    try:
+        if device.type == "cuda":
+            check_plan(args, config, device, eval_problems)
+        tok = AutoTokenizer.from_pretrained(model_path)
+        model = parallel.load_model(resume_dir / "policy" if resume_dir else model_path, device,
+                                    gradient_checkpointing=device.type == "cuda" and args.gradient_checkpointing)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"could not load model {args.model!r}: {str(e).splitlines()[0][:300]}") from None
+    return model_path, config, tok, model
+
+
+def check_plan(args, config, device, eval_problems: int) -> None:
+    """Stop now, in one sentence, if the memory plan says this run does not fit its GPUs -- naming the flags or the
+    GPUs that would make it fit (--no-memory-check runs anyway) -- and print how long a step will take."""
+    shape = plan.model_shape(config)
+    gpu_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    if not args.no_memory_check and (problem := plan.check_memory(args, shape, parallel.WORLD, gpu_gib)):
+        raise SystemExit(problem)
+    if parallel.RANK == 0:
+        gpu = plan.gpu_named(torch.cuda.get_device_name(device), gpu_gib)
+        print(plan.time_summary(args, shape, parallel.WORLD, gpu, eval_problems), flush=True)
+        per_node, host = torch.cuda.device_count(), plan.host_memory_gib()
+        need = sum(plan.host_plan(args, shape, parallel.WORLD, per_node).values())
+        if host and need > 0.9 * host:
+            print(f"warning: the plan puts this node's host memory at {need:.0f} GiB of its {host:.0f} GiB "
+                  f"(benchmarks/memory_plan.py shows each term)", flush=True)
 
 
 def load_reference(model_path: str, device):
     """The frozen initial policy, for a KL penalty."""
-    from transformers import AutoModelForCausalLM
-
-    ref = parallel.shard(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), device).eval()
-    return ref.requires_grad_(False)
+    return parallel.load_model(model_path, device).eval().requires_grad_(False)
 
 
 def adamw(model, lr: float, weight_decay: float, device) -> torch.optim.AdamW:
@@ -1450,13 +1603,19 @@ def adamw(model, lr: float, weight_decay: float, device) -> torch.optim.AdamW:
                              fused=device.type == "cuda")
 
 
-def start_engine(model_path: str, max_model_len: int, args, peaks, master: bool):
-    """The in-process vLLM engine (common/engine.py); memory/engine_start is its start-up's peak."""
+def start_engine(model_path: str, config, max_model_len: int, args, peaks, master: bool):
+    """The in-process vLLM engine (common/engine.py); memory/engine_start is its start-up's peak. On GPU it decodes
+    --vllm-max-num-seqs sequences at once, by default as many as its KV cache holds at the rows' expected length."""
     peaks.start()
     if master:
         print(f"starting the vLLM engine for {args.model} ...", flush=True)
+    max_num_seqs = args.vllm_max_num_seqs or None
+    if torch.cuda.is_available() and not max_num_seqs:
+        gpu_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+        max_num_seqs = plan.max_num_seqs(plan.model_shape(config), gpu_gib, args.gpu_memory_utilization,
+                                         plan.expected_row_tokens(args))
     llm = engine.create_engine(model_path, max_model_len=max_model_len, seed=args.seed,
-                               gpu_memory_utilization=args.gpu_memory_utilization)
+                               gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max_num_seqs)
     peaks.end("engine_start")
     return llm
 
@@ -1518,6 +1677,7 @@ class Clock:
 
 
 def main(args: Args) -> dict:
+    check_flags(args)
     rank, device, resume_dir, ckpt, run_name = start_run(args)
     master = rank == 0
 
@@ -1526,7 +1686,7 @@ def main(args: Args) -> dict:
     eval_fields = [args.problem_field] + ([] if args.eval_dataset == "tiny" else [args.eval_solution_field])
     eval_rows = load_rows(args.eval_dataset, args.eval_split, eval_fields, args.eval_limit) if args.eval_every else []
     judge = start_judge(args, master) if args.dataset != "tiny" else None
-    model_path, config, tok, model = load_policy(args, device, resume_dir)
+    model_path, config, tok, model = load_policy(args, device, resume_dir, len(eval_rows))
     # one set of weights, two optimizers with their own state (Section 3.3); the critic's state spends all but its
     # one step per training step in CPU memory, the actor's too with --offload-optimizer
     actor_opt = adamw(model, args.learning_rate, args.weight_decay, device)
@@ -1542,15 +1702,15 @@ def main(args: Args) -> dict:
         args.critic_context_extra
     max_len = min(max_len, getattr(config.get_text_config(), "max_position_embeddings", max_len))
     peaks = parallel.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
-    llm = start_engine(model_path, max_len, args, peaks, master)
+    llm = start_engine(model_path, config, max_len, args, peaks, master)
     score = partial(eval_scores, args=args, judge=judge)
 
     # --- all state a checkpoint carries ---
     buffer, bank, fifo = ReplayBuffer(buffer_capacity(args)), ReferenceBank(), CriticFifo(args.critic_buffer)
     tracker = ReadinessTracker(args.window, args.tau_global, args.tau_local, local=args.readiness == "local")
-    ladder, k_entropy = CriticLR(args.critic_lr), args.entropy_k_init
+    ladder, k_entropy, snapshot = CriticLR(args.critic_lr), args.entropy_k_init, Snapshot()
     start_step, counters = 0, Counters(*engine.decoding_flops_coefficients(config))
-    judge_streak = 0  # consecutive steps in which over half of the judge calls failed (not checkpointed)
+    watch = Watch()  # steps in a row with a failing judge, or with no gradable answer (not checkpointed)
     if ckpt:
         parallel.load_checkpoint(resume_dir, model, {"actor": actor_opt, "critic": critic_opt},
                                  offload=("critic", "actor") if args.offload_optimizer else ("critic",))
@@ -1586,10 +1746,11 @@ def main(args: Args) -> dict:
         engine.sleep(llm, args.vllm_sleep_level)
         clock.lap("critic")
         # 5. Judge every row the critic did not score; a judge that fails most calls step after step stops the run
-        calls = judge_groups(groups, train, args, judge)
-        judge_streak = watch_judge(calls, judge_streak, step, args.judge_max_invalid_steps, master, partial(
-            save, step - 1, model, tok, actor_opt, critic_opt, run_name, buffer, tracker, bank, fifo, ladder,
-            k_entropy, counters, args))
+        calls, gradable, judged = judge_groups(groups, train, args, judge)
+        watch_scores(watch, calls, gradable, judged, "a proof the judge can grade (a <proof> block after </think>)",
+                     "--prompt-template", step, args, master, partial(save, step - 1, model, tok, actor_opt,
+                                                                       critic_opt, run_name, buffer, tracker, bank,
+                                                                       fifo, ladder, k_entropy, counters, args))
         lane_tokens = count_rollouts(groups, counters)
         # 6. Endpoint values v_i; an invalid critic value -> the group's valid mean, no actor loss
         for g in groups:
@@ -1602,12 +1763,12 @@ def main(args: Args) -> dict:
         # 9. Advantages A_i = v_i - mean_j v_j per group (lambda = 0 on ready problems, 1 elsewhere)
         actor, refills = actor_rows(groups), refill_rows(groups)
         # 10. Old log-probs; Eq. 9 on empty-prefix rows; actor minibatch 1 -> one critic step -> actor minibatch 2
-        old_logprobs(model, actor + refills, args.temperature, args, peaks)
-        entropy = empty_prefix_entropy(actor + refills, args)
+        entropy = old_logprobs_and_entropy(model, actor, refills, args, peaks)
+        correction = rollout_correction(actor, args)  # --rollout-correction's weights, the actor's rows only
         k_entropy = update_entropy_offset(k_entropy, entropy, args)  # once per step, before the update
         critic, n_records = critic_rows(fifo, bank, train, tok, args, rng, max_len)
         losses = train_actor_and_critic(model, actor_opt, critic_opt, actor, critic, n_records,
-                                        args.clip_high + k_entropy, ladder, args, peaks)
+                                        args.clip_high + k_entropy, ladder, args, peaks, snapshot)
         clock.lap("train")
         # 11. Sync, log, evaluate, checkpoint
         wake_up(llm, model, peaks)
@@ -1615,9 +1776,8 @@ def main(args: Args) -> dict:
         scalars = {**counters.scalars(), **logged, **losses, "losses/entropy": entropy, "ac2/eps_high":
                    args.clip_high + k_entropy, **step_scalars(groups, lane_tokens, probes, newly_ready, tracker, bank,
                                                               buffer, fifo, n_records, len(train.rows), args),
-                   **critic_logs, **sampler_gap(actor), **clock.scalars(), **peaks.pop()}
-        log_step(writer, step, scalars, [f"**{g.lane}, v={g.values[0]:.2f}**\n```\n{g.texts[0][-1500:]}\n```"
-                                         for g in groups if g.samples][:4], args)
+                   **critic_logs, **correction, **sampler_gap(actor, args), **clock.scalars(), **peaks.pop()}
+        log_step(writer, step, scalars, completions(groups), args)
         if evaluating(step, args.num_steps, args):
             last_eval = evaluate(step, llm, tok, held_out, train_eval, score, args, writer)
         if master:

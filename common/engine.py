@@ -14,6 +14,7 @@ What this module relies on (checked on CPU; docs/reference.md, "Running vLLM in-
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import os
 import sys
@@ -29,7 +30,7 @@ class Completion:
     """One sampled continuation: its new token ids, their sampling log-probabilities and why it stopped."""
 
     token_ids: list[int]
-    logprobs: list[float]  # log-probability of each sampled token under the sampler (after temperature)
+    logprobs: array.array  # float32 log-probability of each sampled token under the sampler (after temperature)
     finish_reason: str  # "stop" (end of turn) or "length" (hit max_tokens)
 
     @property
@@ -59,12 +60,14 @@ def create_engine(
     gpu_memory_utilization: float = 0.4,
     cpu_kv_cache_gib: int = 1,
     enable_prefix_caching: bool = True,
+    max_num_seqs: int | None = None,
 ):
     """An in-process `vllm.LLM` for `model` (hub id or local folder): bf16 + sleep mode on GPU, fp32 on CPU.
 
     Under a process group (torchrun, or any GPU run: common/parallel.py) every rank builds its own engine at the
     same time with `external_launcher` and tensor parallel 1 -- vLLM joins the existing world and each rank
     samples independently; all ranks use the same seed (vLLM reseeds the whole process with it).
+    `max_num_seqs`: sequences decoded at once (None: vLLM's default; the scripts derive it on GPU, common/plan.py).
     """
     gpu = on_gpu()
     if not gpu:
@@ -87,6 +90,7 @@ def create_engine(
         # log-probabilities of the distribution actually sampled from (after temperature / top-k / top-p),
         # so that they compare with the trainer's log_softmax(logits / T)
         logprobs_mode="processed_logprobs",
+        **(dict(max_num_seqs=max_num_seqs) if max_num_seqs else {}),
         **(dict(distributed_executor_backend="external_launcher", tensor_parallel_size=1) if parallel._on else {}),
     )
 
@@ -95,7 +99,9 @@ def generate(llm, prompts: list[list[int]], params, progress: str | None = None)
     """Sample from token-id prompts. `params` is one `SamplingParams` or one per prompt (request `n` >= 1).
 
     Returns, per prompt, its `n` completions with new token ids (the end-of-turn token included when it
-    was sampled), per-token sampling log-probabilities (request `logprobs=0`) and finish reasons.
+    was sampled), per-token sampling log-probabilities (request `logprobs=0`) and finish reasons. Log-probabilities
+    are asked for flat (`flat_logprobs`: a few lists per request, not a dict and an object per token -- ~10^8
+    tokens a step at the papers' scale) and kept as float32 arrays, 4 bytes a token.
     Under torchrun every rank calls it with the same prompts: each samples every WORLD-th one and all receive
     every result, so what is sampled depends only on each request's seed, not on the number of ranks.
     `progress` names a phase that may take a while (an evaluation, a cache's first answers): rank 0 then shows
@@ -103,7 +109,7 @@ def generate(llm, prompts: list[list[int]], params, progress: str | None = None)
     """
     from common import parallel
 
-    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    per_prompt = [flat(sp) for sp in (params if isinstance(params, list) else [params] * len(prompts))]
     bar = False
     if progress and parallel.RANK == 0:
         from tqdm import tqdm
@@ -111,6 +117,29 @@ def generate(llm, prompts: list[list[int]], params, progress: str | None = None)
         every = 0.1 if sys.stderr.isatty() else 30.0  # a log file gets a line every 30 s, not a stream of them
         bar = lambda *a, **kw: tqdm(*a, **{**kw, "desc": progress, "leave": False, "mininterval": every})  # noqa: E731
     return parallel.shared_map(lambda share: _generate(llm, share, bar), list(zip(prompts, per_prompt)))
+
+
+def flat(params):
+    """The same request, with its log-probabilities returned flat (vLLM's FlatLogprobs)."""
+    if params.logprobs is None or params.flat_logprobs:
+        return params
+    params = params.clone()
+    params.flat_logprobs = True
+    return params
+
+
+def sampled_logprobs(logprobs, token_ids: list[int]) -> array.array:
+    """The sampled tokens' log-probabilities, from vLLM's per-position logprobs (flat or a dict per position)."""
+    out = array.array("f")
+    if logprobs is None:
+        return out
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: position i's entries are [start_i, end_i)
+        for i, t in enumerate(token_ids):
+            entries = range(logprobs.start_indices[i], logprobs.end_indices[i])
+            out.append(next(logprobs.logprobs[k] for k in entries if logprobs.token_ids[k] == t))
+        return out
+    out.extend(d[t].logprob for d, t in zip(logprobs, token_ids))
+    return out
 
 
 def _generate(llm, requests: list, bar=False) -> list[list[Completion]]:
@@ -125,8 +154,7 @@ def _generate(llm, requests: list, bar=False) -> list[list[Completion]]:
         group = []
         for c in out.outputs:
             ids = list(c.token_ids)
-            lps = [d[t].logprob for d, t in zip(c.logprobs, ids)] if c.logprobs is not None else []
-            group.append(Completion(ids, lps, c.finish_reason or "length"))
+            group.append(Completion(ids, sampled_logprobs(c.logprobs, ids), c.finish_reason or "length"))
         result.append(group)
     return result
 

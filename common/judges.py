@@ -362,16 +362,37 @@ def judge_failure_streak(calls: list[tuple[str | None, str | None]], streak: int
     return streak + 1, f"{len(failed)} of {len(calls)} judge calls failed: {listed}"
 
 
-def watch_judge(calls, streak: int, step: int, max_invalid_steps: int, master: bool, save_before_step) -> int:
-    """The failure streak after this step's judge calls (printed when it grows). At `max_invalid_steps`
-    (--judge-max-invalid-steps) the run stops with the state before this step saved (`save_before_step()` writes
-    it and returns its folder), rather than train on a dead judge's zeros."""
-    streak, warning = judge_failure_streak(calls, streak)
+@dataclasses.dataclass
+class Watch:
+    """The two ways a run can train on nothing for hours, counted in consecutive steps: a judge that fails most of
+    its calls (invalid zeros), and responses none of which holds an answer the judge or verifier can grade (every
+    reward 0, and with a judge, no call made at all: a model that ignores the prompt's format)."""
+
+    judge_failures: int = 0
+    ungradable: int = 0
+
+
+def watch_scores(watch: Watch, calls, gradable: int, total: int, what: str, template_flag: str, step: int, args,
+                 master: bool, save_before_step) -> None:
+    """Update `watch` with this step (the judge's calls; how many of `total` responses hold `what`, the answer
+    format the scorer needs) and warn as a streak grows. At --judge-max-invalid-steps failing steps, or
+    --max-ungradable-steps steps without a gradable answer, the run stops with the state before this step saved
+    (`save_before_step()` writes it and returns its folder) rather than train on zeros."""
+    watch.judge_failures, warning = judge_failure_streak(calls, watch.judge_failures)
     if warning and master:
         print(f"warning: step {step}: {warning}", flush=True)
-    if streak >= max_invalid_steps:
+    if warning and watch.judge_failures >= args.judge_max_invalid_steps:
         path = save_before_step()
-        raise SystemExit(f"stopped: more than half of the judge's calls failed in {streak} consecutive steps "
-                         f"(last: {warning}). The state before step {step} is saved in {path}; fix the judge, "
+        raise SystemExit(f"stopped: more than half of the judge's calls failed in {watch.judge_failures} consecutive "
+                         f"steps (last: {warning}). The state before step {step} is saved in {path}; fix the judge, "
                          f"then continue with --resume {path}")
-    return streak
+    watch.ungradable = watch.ungradable + 1 if total and not gradable else 0
+    if watch.ungradable and master:
+        print(f"warning: step {step}: none of its {total} responses holds {what}, so every reward is 0 and the step "
+              f"trains on nothing; does the prompt ({template_flag}) ask for that format? ({watch.ungradable} such "
+              f"step(s) in a row; the run stops at --max-ungradable-steps {args.max_ungradable_steps})", flush=True)
+    if watch.ungradable and watch.ungradable >= args.max_ungradable_steps:
+        path = save_before_step()
+        raise SystemExit(f"stopped: no response held {what} in {watch.ungradable} consecutive steps. The state "
+                         f"before step {step} is saved in {path}; fix the prompt ({template_flag}) or the model, "
+                         f"then continue with --resume {path}")

@@ -20,6 +20,7 @@ optimizer states, computes in bf16 and reduces gradients in fp32. On a CPU under
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 import pickle
@@ -38,12 +39,15 @@ _on = False  # a process group is up and the trainer is sharded
 _cpu_group = None  # gloo group for Python objects and scalars (off the GPU even when training uses NCCL)
 
 
-def init() -> tuple[int, int, torch.device]:
+def init(timeout_s: float = 86_400.0) -> tuple[int, int, torch.device]:
     """Rank, world size and device of this process; starts the process group when there is one to start.
 
     Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR... in the environment): NCCL on GPUs, gloo on CPUs. A plain
     `python` run on a GPU gets a one-process group, so that the GPU path is always FSDP2 in bf16; on a CPU it
     stays a plain process. Call it before building the engine (vLLM joins the existing world).
+    `timeout_s` is how long a rank waits for the others at a collective before the run fails: `shared_map` waits
+    through a step's generation and judge grading, hours apart between ranks at 50,000-token responses, so
+    PyTorch's default of 30 minutes would kill a healthy run.
     """
     global RANK, WORLD, _on, _cpu_group
     gpu = torch.cuda.is_available()
@@ -57,9 +61,10 @@ def init() -> tuple[int, int, torch.device]:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if gpu else "gloo", device_id=device if gpu else None)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("nccl" if gpu else "gloo", device_id=device if gpu else None, timeout=timeout)
     RANK, WORLD, _on = dist.get_rank(), dist.get_world_size(), True
-    _cpu_group = dist.new_group(backend="gloo") if gpu else dist.group.WORLD
+    _cpu_group = dist.new_group(backend="gloo", timeout=timeout) if gpu else dist.group.WORLD
     return RANK, WORLD, device
 
 
@@ -88,6 +93,42 @@ def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return model
 
 
+def load_model(path, device: torch.device, gradient_checkpointing: bool = False):
+    """The fp32 trainer from `path`, sharded (`shard`), with gradient checkpointing if asked. Under a process group
+    of more than one rank only rank 0 reads the weights into host memory; every other rank builds the model on the
+    meta device and receives its shard from rank 0 -- so a node holds one full fp32 copy at start-up, not one per
+    rank (8 x 16 GB for Qwen3-4B on a node of 8)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def checkpointing(model):
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        return model
+
+    if not _on or WORLD == 1:
+        return shard(checkpointing(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)), device)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) if RANK == 0 else None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    model = shard(checkpointing(model), device)
+    model.to_empty(device=device)
+    weights = full_model.state_dict() if RANK == 0 else {}
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # buffers (the rotary frequencies) are not in the state dict: rank 0's, broadcast like the weights
+    source = dict(full_model.named_buffers()) if RANK == 0 else {}
+    for name, buffer in model.named_buffers():
+        if RANK == 0:
+            buffer.copy_(source[name])
+        staged = buffer.detach().cpu() if buffer.device.type == "cuda" else buffer
+        dist.broadcast(staged, src=0, group=_cpu_group)
+        buffer.copy_(staged)
+    del full_model, weights, source
+    return model
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind a sharded one (an all-gather: every rank must call it), or `t` itself."""
     from torch.distributed.tensor import DTensor
@@ -100,6 +141,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Back to shards. FSDP2 keeps the root's parameters (embeddings, LM head) gathered after a forward pass, for
+    the backward it expects; after a no-grad pass (old log-probs) nothing reshards them, and `local` would see
+    whole tensors where the next update leaves shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -182,7 +233,9 @@ def barrier() -> None:
 
 def offload_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
     """Move an optimizer's state (AdamW: two fp32 tensors per parameter) to `device`, e.g. to the CPU while it
-    is idle and back for its step. Nothing to do on a CPU machine."""
+    is idle and back for its step. Nothing to do on a CPU machine. The copies to the CPU are non-blocking, so
+    PyTorch puts them in pinned (page-locked) host memory: 8 bytes per parameter / ranks per offloaded optimizer,
+    which the host's memory must hold beside everything else (the plan counts it: common/plan.py, `host_plan`)."""
     for state in optimizer.state.values():
         for k, v in state.items():
             if torch.is_tensor(v) and v.device != torch.device(device) and k != "step":
@@ -200,20 +253,34 @@ def optimizer_step(optimizer: torch.optim.Optimizer, device: torch.device, offlo
         offload_state(optimizer, "cpu")
 
 
+def device_used_gib() -> float:
+    """What the GPU has in use, every process and allocator included (total - free), GiB."""
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**30
+
+
 class Peaks:
-    """Peak memory of each phase of a step, GiB, for the `memory/<phase>` logs (benchmarks/memory_plan.py predicts
-    them, benchmarks/gpu_check.sh records them): on GPU the CUDA allocator's peak -- trainer and vLLM tensors
-    alike -- on CPU the process's peak resident set (Linux); `memory/<phase>_growth` is the peak less what was in
-    use when the phase began. `start()` before a phase, `end(name)` after it."""
+    """Peak memory of each phase of a step, GiB, for the `memory/<phase>` logs (common/plan.py predicts them,
+    benchmarks/gpu_check.sh records them); `memory/<phase>_growth` is the peak less what was in use when the phase
+    began. `start()` before a phase, `end(name)` after it.
+
+    On GPU the figure is device-level -- what the GPU has in use, as the plan counts it -- not the CUDA allocator's
+    peak: a sleeping vLLM unmaps its weights and KV cache but its tensors stay allocated in its pool, so the
+    allocator would count ~50 GiB that the GPU does not hold while the trainer works. The peak is what was in use
+    at the start, plus the allocator's growth above its own start during the phase (the sleeping tensors cancel
+    out), and at least what is in use at the end (vLLM resets the allocator's peak counters while it starts up, so
+    `engine_start` is a lower bound). On CPU it is the process's peak resident set (Linux)."""
 
     def __init__(self):
         self.peaks: dict[str, float] = {}
-        self.at_start = 0.0
+        self.at_start = self.allocated_at_start = 0.0
 
     def start(self) -> None:
         if torch.cuda.is_available():
+            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            self.at_start = torch.cuda.memory_allocated() / 2**30
+            self.allocated_at_start = torch.cuda.memory_allocated() / 2**30
+            self.at_start = device_used_gib()
         else:
             try:  # "5" resets the kernel's peak-RSS counter (VmHWM) of this process
                 Path("/proc/self/clear_refs").write_text("5")
@@ -222,7 +289,12 @@ class Peaks:
             self.at_start = _proc_status_gib("VmRSS")
 
     def end(self, phase: str) -> None:
-        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else _proc_status_gib("VmHWM")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            grown = torch.cuda.max_memory_allocated() / 2**30 - self.allocated_at_start
+            peak = max(device_used_gib(), self.at_start + grown)
+        else:
+            peak = _proc_status_gib("VmHWM")
         self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak)
         self.peaks[f"{phase}_growth"] = max(self.peaks.get(f"{phase}_growth", 0.0), peak - self.at_start)
 
@@ -266,6 +338,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizers: dict
     barrier()
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
         if _on else None  # a collective; rank 0 receives the full weights on CPU
+    if weights is not None and getattr(model.config, "tie_word_embeddings", False):
+        weights.pop("lm_head.weight", None)  # the embedding's tie: a plain process's save has it once, and so here
     if RANK == 0:
         model.save_pretrained(tmp / "policy", state_dict=weights)
         tokenizer.save_pretrained(tmp / "policy")

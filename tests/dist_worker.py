@@ -1,10 +1,11 @@
 """A worker for tests/test_distributed.py: `python tests/dist_worker.py OUT` (one rank) or `torchrun
 --nproc_per_node 2 tests/dist_worker.py OUT` (two), with the real vLLM engine in every rank.
 
-It samples a fixed set of seeded requests (each rank its share, everyone receives all), takes one sharded
-training step on them, syncs the new weights into every rank's engine and samples again; then it writes, from
-rank 0, the completions, the weights after the step, and for each rank's engine the largest gap between its
-sampling log-probabilities and the trainer's on the same tokens.
+It loads the model (`parallel.load_model`: rank 0 alone reads the weights), samples a fixed set of seeded requests
+(each rank its share, everyone receives all), takes one sharded training step on them, syncs the new weights into
+every rank's engine and samples again; then it writes, from rank 0, the completions, the weights after the step,
+which ranks read the weights, and for each rank's engine the largest gap between its sampling log-probabilities and
+the trainer's on the same tokens.
 """
 
 import json
@@ -42,7 +43,12 @@ def main(out_dir: Path) -> None:
     rank, world, device = parallel.init()
     path = tiny_model_path()
     tok = build_tokenizer()
-    model = parallel.shard(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), device)
+    reads = []  # which ranks read the weights from disk: rank 0 only, the others receive their shards
+    real = AutoModelForCausalLM.from_pretrained
+    AutoModelForCausalLM.from_pretrained = lambda *a, **k: reads.append(rank) or real(*a, **k)
+    model = parallel.load_model(path, device)
+    AutoModelForCausalLM.from_pretrained = real
+    readers = parallel.shared_map(lambda share: [reads for _ in share], list(range(world)))  # rank r: who read
     llm = engine.create_engine(path, max_model_len=512, seed=0)
     engine.sync_weights(llm, model)
     prompts = [grpo.encode_chat(tok, r["problem"]) for r in tiny_dataset("test")[:10]]
@@ -81,7 +87,8 @@ def main(out_dir: Path) -> None:
         torch.save(weights, out_dir / "weights.pt")
         (out_dir / "result.json").write_text(json.dumps({
             "world": world, "completions": [[c.token_ids for c in g] for g in before],
-            "logprobs": [[c.logprobs for c in g] for g in before], "gap_per_rank": gaps, "stale_gap": stale_gap}))
+            "logprobs": [[list(c.logprobs) for c in g] for g in before], "gap_per_rank": gaps, "stale_gap": stale_gap,
+            "weights_read_by": readers}))
 
 
 if __name__ == "__main__":

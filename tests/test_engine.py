@@ -1,5 +1,6 @@
 """The engine: Eq. 6 FLOPs constants, and weight sync between the trainer and the real vLLM engine."""
 
+import pytest
 import torch
 from conftest import LOGPROB_GAP
 from transformers import LlamaConfig, Qwen3Config
@@ -77,3 +78,38 @@ def test_generate_returns_finish_reasons_and_end_of_turn_token(engine_and_model,
                                                         SamplingParams(temperature=0, max_tokens=3)])
     assert done[0].finish_reason == "stop" and done[0].token_ids[-1] == tok.eos_token_id
     assert cut[0].truncated and len(cut[0].token_ids) == 3
+
+
+def test_log_probabilities_come_flat_and_compact_and_equal_the_per_token_dicts(engine_and_model):
+    """At the papers' scale a step samples ~10^8 tokens: vLLM returns their log-probabilities flat (a few lists per
+    request, not a dict and an object per token) and the engine keeps them as float32 arrays, the same values."""
+    import array
+
+    from vllm.inputs import TokensPrompt
+
+    llm, _ = engine_and_model
+    prompt = grpo.encode_chat(build_tokenizer(), "Add: 12+34+56")
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=30, logprobs=0, seed=7)
+    [got] = engine.generate(llm, [prompt], params)
+    assert engine.flat(params).flat_logprobs and not params.flat_logprobs  # the caller's request is left as it was
+    [raw] = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)  # per-token dicts
+    for c, r in zip(got, raw.outputs):
+        assert isinstance(c.logprobs, array.array) and c.logprobs.typecode == "f"
+        assert c.token_ids == list(r.token_ids)
+        assert list(c.logprobs) == [float(torch.tensor(d[t].logprob)) for d, t in zip(r.logprobs, r.token_ids)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sleep mode is a GPU feature (a no-op on CPU); "
+                    "written for a machine with a GPU and vLLM (benchmarks/gpu_check.sh runs it there)")
+def test_a_sync_after_a_real_sleep_and_wake_up_serves_the_new_weights(engine_and_model):
+    """The order the scripts use on GPU: sleep (level 2 drops the engine's weights), the trainer's update, then
+    wake_up -- weights back, the sync, the KV cache back -- and the engine samples from the new weights."""
+    llm, model = engine_and_model
+    prompt = grpo.encode_chat(build_tokenizer(), "Add: 12+34+56")
+    engine.sync_weights(llm, model)
+    engine.sleep(llm, level=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)).to(p.device))
+    engine.wake_up(llm, model)
+    assert _max_gap(llm, model, prompt, seed=31) < LOGPROB_GAP

@@ -1,5 +1,6 @@
-"""benchmarks/gpu_check.sh's CPU twin: the same steps at a small shape, so the GPU check cannot rot before a GPU
-runs it -- the random-weight model path, every script's memory logs and the report it writes."""
+"""benchmarks/gpu_check.sh's CPU twin: the same stages at a small shape, so that the GPU check cannot rot before a GPU
+runs it -- the trainer stage with vLLM made unimportable (as on the lent GPUs), then the engine stages: the
+random-weight model path, every script's memory logs and the report, written stage by stage."""
 
 import json
 import os
@@ -9,7 +10,6 @@ import pytest
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow  # end-to-end runs: the full suite only (the fast tier: -m 'not slow')
-
 PHASES = {"engine_start", "rollout", "old_logprobs", "backward", "optimizer_step", "wake_up"}
 
 
@@ -20,12 +20,24 @@ def test_the_gpu_check_runs_at_a_small_shape_on_cpu(tmp_path):
                           text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    stages = {s["stage"]: s["status"] for s in report["stages"]}
+    assert list(stages) == ["trainer", "engine_tests", "tiny_grpo", "tiny_ac2", "tiny_rpo", "tiny_ccr", "paper_grpo",
+                            "paper_ac2", "no_checkpoint_written"] and set(stages.values()) == {"ok"}, stages
+    # the trainer stage, through the scripts' own functions, without vLLM
+    trainer = report["trainer"]["stages"]
+    for length in (256, 512):
+        assert trainer[f"old_logprobs_{length}"]["tokens_per_s"] > 0
+        assert trainer[f"actor_update_{length}"]["stepped"] and trainer[f"actor_update_{length}"]["grad_norm"] > 0
+        assert trainer[f"critic_step_{length}"]["state_between_steps_on"] == "cpu"  # offloaded but for its step
+        assert 0 < trainer[f"critic_step_{length}"]["displacement"] < float("inf")
+    assert trainer["logprobs_bf16_vs_fp32"]["max_abs_gap"] < 1e-4  # fp32 on both sides on a CPU
     runs = report["runs"]
     assert set(runs) == {"tiny-grpo", "tiny-ac2", "tiny-rpo", "tiny-ccr", "paper-grpo", "paper-ac2"}
     for name, run in runs.items():
         assert PHASES <= set(run["memory_gib"]), (name, run["memory_gib"])
         assert all(v > 0 for k, v in run["memory_gib"].items() if not k.endswith("_growth")), name
         assert len(run["step_time_s"]) == (2 if name == "paper-ac2" else 1), name
+        assert all(0 <= v < 1e-3 for v in run["sampling/mismatch_kl"]), name  # the engine follows the trainer
     assert "critic_step" in runs["paper-ac2"]["memory_gib"]  # step 2 trains the critic
     assert report["config"] == "small-test.json" and report["seconds"] > 0
     # a random-weight model was built from the config and used: its vocabulary, not the tiny model's

@@ -263,3 +263,48 @@ def test_scripts_check_the_judge_before_loading_any_model(tmp_path):
         assert proc.returncode != 0
         assert "the judge" in proc.stderr and "connection error" in proc.stderr, proc.stderr[-2000:]
         assert "could not load model" not in proc.stderr
+
+
+def test_steps_without_a_gradable_answer_warn_and_then_stop_with_the_state_saved(capsys):
+    from types import SimpleNamespace
+
+    from common.judges import Watch, watch_scores
+
+    args, watch, saved = SimpleNamespace(judge_max_invalid_steps=3, max_ungradable_steps=2), Watch(), []
+    save = lambda: saved.append(1) or "ckpt/step_4"  # noqa: E731
+    watch_scores(watch, [], 0, 8, "a <proof> block", "--prompt-template", 5, args, True, save)
+    out = capsys.readouterr().out
+    assert watch.ungradable == 1 and "step 5: none of its 8 responses holds a <proof> block" in out
+    assert "--prompt-template" in out and not saved
+    watch_scores(watch, [], 1, 8, "a <proof> block", "--prompt-template", 6, args, True, save)
+    assert watch.ungradable == 0  # one gradable answer ends the streak
+    watch_scores(watch, [], 0, 8, "a <proof> block", "--prompt-template", 7, args, True, save)
+    with pytest.raises(SystemExit, match=r"no response held a <proof> block in 2 consecutive steps.*ckpt/step_4"):
+        watch_scores(watch, [], 0, 8, "a <proof> block", "--prompt-template", 8, args, True, save)
+    assert saved == [1]
+
+
+@pytest.mark.slow
+def test_a_policy_that_never_writes_a_proof_is_stopped_instead_of_training_on_zeros(server, tmp_path):
+    """The tiny policy with a real judge and a proof data set: no rollout ever holds a <proof> block, so no judge
+    call is made and every reward is 0. Each such step warns; the second stops the run with the state saved."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    problems = [json.dumps({"problem": f"Add: {a}+{a + 1}"}) for a in range(10, 30)]
+    (tmp_path / "p.jsonl").write_text("\n".join(problems) + "\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--tiny", "--reward", "judge", "--dataset",
+                           str(tmp_path / "p.jsonl"), "--judge-base-url", server, "--judge-api-key-env",
+                           "STUB_JUDGE_KEY", "--judge-model", "stub", "--problems-per-step", "4", "--group-size", "2",
+                           "--eval-every", "0", "--max-ungradable-steps", "2", "--save-every", "5", "--run-name",
+                           "noproof"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode != 0
+    assert proc.stdout.count("responses holds a complete <proof> block after </think>, so every reward is 0") == 2
+    assert "no response held a complete <proof> block after </think> in 2 consecutive steps" in proc.stderr
+    assert (tmp_path / "checkpoints/noproof/step_1/trainer_state.pt").exists()  # the state before step 2
+    assert len(StubJudge.requests) == 1  # the start-up check only: no rollout gave the judge anything to grade
