@@ -1,0 +1,397 @@
+"""Probe: can more training, or more depth, teach the tiny model to judge a prefix against a reference solution?
+
+    python benchmarks/critic_probe.py --cycle c --steps 750 --eval-every 250            # attempt A (docs/ac2.md)
+    python benchmarks/critic_probe.py --grow 4 --cycle c --steps 1000 --eval-every 250  # attempt B: 8 layers
+
+Fine-tunes the shipped tiny model (or `--init scratch`, or the shipped model with `--grow N` decoder layers appended
+whose output projections start at zero, so the function is unchanged at step 0) on batches of the warm start's
+kinds: `s` solve (the policy's own traces), `c` critic (AC2's `critic_context` with the reference solution in the
+prompt, `--ref-prob`; a share `--pair-frac` of them as sibling pairs: a right prefix and the same with one running
+sum off by +-1 or +-10, later lines continuing from it, cut at the same place), `p` packed (CCR's prompts). The label
+is the warm start's: 0 once the attempt has left every correct trace, else 0.8^(lines left), rounded to a tenth.
+
+Every `--eval-every` steps it prints, on held-out problems (the test split), how often the right prefix of a pair is
+valued higher than the wrong one when read greedily (a tie fails): off by +-1/+-10 on the last line, on an earlier
+line, off by +-2/+-5/+-20 (a kind training never shows), without the reference; the same from the probability of
+"0" (`soft_*`: chance is 0.5); and the policy's greedy accuracy. The full diagnostic with vLLM, as AC2 reads the
+critic, is benchmarks/critic_pairs.py (`--model <the --save folder>`).
+"""
+
+import argparse
+import copy
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ac2
+from common.tiny import (
+    SHIPPED,
+    VALUE_STRINGS,
+    build_tokenizer,
+    tiny_dataset,
+    tiny_pack_prompt,
+    tiny_packed_solution,
+    tiny_problem,
+    tiny_reward,
+    tiny_solution,
+)
+
+TOK = build_tokenizer()
+EOS = TOK.eos_token_id
+HELD_OUT = {p["problem"] for p in tiny_dataset("test")}
+
+
+def chat(user):
+    return TOK(TOK.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+
+
+def critic_ids(problem, attempt_text, reference_text):
+    """Exactly ac2.critic_context with the tiny instruction."""
+    args = ac2.tiny_args()
+    attempt = TOK(attempt_text, add_special_tokens=False)["input_ids"]
+    return ac2.critic_context(chat(problem), attempt, reference_text, TOK, args)
+
+
+def lines_of(numbers, errors=None):
+    """Running-sum lines; errors: {line index: delta or callable(correct)->wrong}; later lines continue."""
+    out, total = [], numbers[0]
+    for i, x in enumerate(numbers[1:]):
+        new = total + x
+        e = (errors or {}).get(i)
+        if e is not None:
+            new = e(new) if callable(e) else new + e
+        out.append(f"{total}+{x}={new}")
+        total = new
+    return out
+
+
+def swap_digits(v):
+    s = str(v)
+    if len(s) < 2 or s[-1] == s[-2]:
+        return v + 9  # fallback: still wrong
+    return int(s[:-2] + s[-1] + s[-2])
+
+
+KINDS = {"pm1_10": [1, -1, 10, -10], "pm2_5_20": [2, -2, 5, -5, 20, -20], "pm100": [100, -100], "swap": [swap_digits]}
+
+
+def make_pairs(kind, n, seed, position="last", problems=None):
+    """(problem, right prefix, wrong prefix, reference) on held-out problems with >= 3 terms.
+    position 'last': the wrong sum is the prefix's last complete line, cut right after it (or partway into the next);
+    'earlier': 1-2 lines continue after the wrong one (from the wrong value); 'first': the first line is wrong."""
+    rng = random.Random(seed)
+    pool = [p for p in (problems or tiny_dataset("test")) if p["difficulty"] >= 3]
+    out = []
+    while len(out) < n:
+        p = rng.choice(pool)
+        nums = [int(x) for x in p["problem"][5:].split("+")]
+        nl = len(nums) - 1
+        if position == "first":
+            j = k = 0
+        elif position == "last":
+            j = rng.randrange(nl)
+            k = j
+        else:
+            if nl < 2:
+                continue
+            j = rng.randrange(nl - 1)
+            k = rng.randrange(j + 1, nl)
+        d = rng.choice(KINDS[kind])
+        right, wrong = lines_of(nums), lines_of(nums, {j: d})
+        if right == wrong:
+            continue
+        tail = ""
+        if k + 1 < nl and rng.random() < 0.5:  # partway into the next line: its first operand
+            tail = None
+        r = "\n".join(right[: k + 1]) + "\n"
+        w = "\n".join(wrong[: k + 1]) + "\n"
+        if tail is None:
+            r += right[k + 1].split("+")[0]
+            w += wrong[k + 1].split("+")[0]
+        ref = tiny_solution(nums, check=rng.random() < 0.5)
+        out.append((p["problem"], r, w, ref))
+    return out
+
+
+@torch.no_grad()
+def greedy_values(model, contexts, batch=64):
+    vals = []
+    model.eval()
+    for i in range(0, len(contexts), batch):
+        chunk = contexts[i:i + batch]
+        width = max(map(len, chunk))
+        ids = torch.full((len(chunk), width), TOK.pad_token_id)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for r, c in enumerate(chunk):
+            ids[r, width - len(c):] = torch.tensor(c)
+            mask[r, width - len(c):] = 1
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id)
+        for r in range(len(chunk)):
+            vals.append(ac2.parse_critic_value(TOK.decode(out[r, width:], skip_special_tokens=True)))
+    return vals
+
+
+def pair_report(model, pairs, with_reference=True):
+    ctx = []
+    for prob, r, w, ref in pairs:
+        shown = ref if with_reference else None
+        ctx += [critic_ids(prob, r, shown), critic_ids(prob, w, shown)]
+    v = greedy_values(model, ctx)
+    right, wrong = v[0::2], v[1::2]
+    higher = sum(a is not None and b is not None and a > b for a, b in zip(right, wrong))
+    alike = sum(a == b for a, b in zip(right, wrong))
+    return {"pairs": len(pairs), "right_higher": higher, "alike": alike, "acc": round(higher / len(pairs), 3),
+            "mean_right": round(sum(x or 0 for x in right) / len(right), 3),
+            "mean_wrong": round(sum(x or 0 for x in wrong) / len(wrong), 3)}
+
+
+def policy_greedy_acc(model, n=64):
+    test = tiny_dataset("test")[:n]
+    ctx = [chat(p["problem"]) for p in test]
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, n, 32):
+            chunk = ctx[i:i + 32]
+            width = max(map(len, chunk))
+            ids = torch.full((len(chunk), width), TOK.pad_token_id)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for r, c in enumerate(chunk):
+                ids[r, width - len(c):] = torch.tensor(c)
+                mask[r, width - len(c):] = 1
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=200, do_sample=False,
+                                 pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id)
+            for r, p in enumerate(test[i:i + 32]):
+                correct += tiny_reward(TOK.decode(out[r, width:], skip_special_tokens=True), p["answer"])
+    return correct / n
+
+
+@torch.no_grad()
+def zero_logprob(model, contexts, batch=64):
+    """log P(value "0" then end-of-turn | context), right-padded batch."""
+    zero = TOK("0", add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
+    out = []
+    model.eval()
+    for i in range(0, len(contexts), batch):
+        chunk = [c + zero for c in contexts[i:i + batch]]
+        width = max(map(len, chunk))
+        ids = torch.full((len(chunk), width), TOK.pad_token_id)
+        for r, c in enumerate(chunk):
+            ids[r, :len(c)] = torch.tensor(c)
+        logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)
+        for r, c in enumerate(chunk):
+            n = len(c)
+            out.append(float(logp[r, n - 3, zero[0]] + logp[r, n - 2, zero[1]]))
+    return out
+
+
+def soft_pairs(model, pairs):
+    ctx = []
+    for prob, r, w, ref in pairs:
+        ctx += [critic_ids(prob, r, ref), critic_ids(prob, w, ref)]
+    z = zero_logprob(model, ctx)
+    return round(sum(b > a for a, b in zip(z[0::2], z[1::2])) / len(pairs), 3)
+
+
+def draw(rng):
+    """A training problem (never one of the test split's) and its terms."""
+    while True:
+        p = tiny_problem(rng)
+        if p["problem"] not in HELD_OUT:
+            return p, [int(x) for x in p["problem"][5:].split("+")]
+
+
+def enc(t):
+    return TOK(t, add_special_tokens=False)["input_ids"]
+
+
+def value_of(attempt, nums, label_rate):
+    """The warm start's label (as an index into VALUE_STRINGS): 0 once the attempt has left every correct trace,
+    else (1 - label_rate)^(lines left)."""
+    if not any(tiny_solution(nums, check=c).startswith(attempt) for c in (False, True)):
+        return 0
+    remaining = len(nums) - 1 - attempt.split("check:")[0].count("\n")
+    return round(10 * (1 - label_rate) ** max(remaining, 0))
+
+
+def critic_example(p, nums, attempt, ref, a):
+    ctx = critic_ids(p["problem"], attempt, ref)
+    return ctx + enc(VALUE_STRINGS[value_of(attempt, nums, a.label_rate)]) + [EOS], len(ctx)
+
+
+def pair_prefixes(nums, d, rng, max_line=None):
+    """A right prefix and the same with running sum j off by d (later lines continue from it), cut alike; with
+    `max_line`, the wrong sum and the cut both lie in the first `max_line` lines (a curriculum's first stage)."""
+    nl = len(nums) - 1
+    if max_line:
+        nl = min(nl, max_line)
+    j = rng.randrange(nl)
+    k = rng.randrange(j, nl)
+    lr, lw = lines_of(nums), lines_of(nums, {j: d})
+    r, w = "\n".join(lr[: k + 1]), "\n".join(lw[: k + 1])
+    if k + 1 < len(nums) - 1:
+        c = rng.randint(0, min(len(lr[k + 1]), len(lw[k + 1])))
+        r, w = r + "\n" + lr[k + 1][:c], w + "\n" + lw[k + 1][:c]
+    elif rng.random() < 0.75:
+        r, w = r + "\n", w + "\n"
+    return r, w
+
+
+def example(kind, rng, a):
+    """(token ids, where the loss starts) for one example of a batch kind: s solve, c critic, p packed."""
+    if kind == "p":
+        pack = [draw(rng) for _ in range(rng.choice([1, 2, 3]))]
+        ctx = chat(tiny_pack_prompt([p["problem"] for p, _ in pack]))
+        checks = [rng.random() < 0.5 for _ in pack]
+        resp = tiny_packed_solution([n for _, n in pack], rng, a.error_rate, checks)
+        return [(ctx + enc(resp) + [EOS], len(ctx))]
+    p, nums = draw(rng)
+    check = rng.random() < 0.5
+    if kind == "s":
+        ctx = chat(p["problem"])
+        return [(ctx + enc(tiny_solution(nums, rng, a.error_rate, check)) + [EOS], len(ctx))]
+    ref = tiny_solution(nums, check=rng.random() < 0.5) if rng.random() < a.ref_prob else None
+    if rng.random() < a.pair_frac and len(nums) >= 2:
+        max_line = a.pair_max_line if a.step < a.curriculum_steps else None
+        r, w = pair_prefixes(nums, rng.choice([-10, -1, 1, 10]), rng, max_line)
+        return [critic_example(p, nums, r, ref, a), critic_example(p, nums, w, ref, a)]
+    text = tiny_solution(nums, rng, a.error_rate, check)
+    ids = enc(text)
+    attempt = TOK.decode(ids[: rng.randint(0, len(ids))])
+    return [critic_example(p, nums, attempt, ref, a)]
+
+
+def batch_of(kind, rng, a):
+    n = a.solve_batch if kind == "s" else a.batch
+    out = []
+    while len(out) < n:
+        out += example(kind, rng, a)
+    return out[:n]
+
+
+def grow(model, n):
+    """Append n decoder layers whose attention and MLP outputs start at zero: the function is unchanged."""
+    layers = model.model.layers
+    for _ in range(n):
+        new = copy.deepcopy(layers[-1])
+        for m in new.modules():
+            if isinstance(m, torch.nn.Linear):
+                torch.nn.init.normal_(m.weight, std=0.02)
+        torch.nn.init.zeros_(new.self_attn.o_proj.weight)
+        torch.nn.init.zeros_(new.mlp.down_proj.weight)
+        layers.append(new)
+    for i, layer in enumerate(layers):
+        layer.self_attn.layer_idx = i
+    model.config.num_hidden_layers = len(layers)
+    model.config.layer_types = ["full_attention"] * len(layers)
+
+
+def evaluate(model, step, pair_sets, a, t0):
+    rep = {"step": step, "t": round(time.time() - t0)}
+    rep["pm1_10_last"] = pair_report(model, pair_sets["last"])
+    rep["pm1_10_earlier"] = pair_report(model, pair_sets["earlier"])
+    rep["pm1_10_first"] = pair_report(model, pair_sets["first"])
+    rep["pm2_5_20_last"] = pair_report(model, pair_sets["new"])
+    rep["soft_last"] = soft_pairs(model, pair_sets["last"])
+    rep["soft_earlier"] = soft_pairs(model, pair_sets["earlier"])
+    rep["no_ref"] = pair_report(model, pair_sets["last"], with_reference=False)["acc"]
+    if "s" in a.cycle or step == 0:
+        rep["policy_greedy"] = policy_greedy_acc(model, 64)
+    print(json.dumps(rep), flush=True)
+    model.train()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--init", default=str(SHIPPED), help="a model folder, or 'scratch'")
+    ap.add_argument("--layers", type=int, default=4, help="with --init scratch")
+    ap.add_argument("--hidden", type=int, default=128, help="with --init scratch")
+    ap.add_argument("--inter", type=int, default=384, help="with --init scratch")
+    ap.add_argument("--heads", type=int, default=4, help="with --init scratch")
+    ap.add_argument("--grow", type=int, default=0, help="append this many decoder layers (outputs zeroed)")
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--wd", type=float, default=0.01)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--schedule", default="cosine", help="cosine, or anything else for constant")
+    ap.add_argument("--batch", type=int, default=32, help="critic and packed batches")
+    ap.add_argument("--solve-batch", type=int, default=64)
+    ap.add_argument("--cycle", default="c", help="batch kinds per cycle: s solve, c critic, p packed")
+    ap.add_argument("--pair-frac", type=float, default=0.5, help="critic examples that come as right/wrong pairs")
+    ap.add_argument("--ref-prob", type=float, default=1.0, help="critic examples with the reference in the prompt")
+    ap.add_argument("--error-rate", type=float, default=0.2, help="per-line slips in sampled traces")
+    ap.add_argument("--label-rate", type=float, default=0.2, help="per-line error rate in the value formula")
+    ap.add_argument("--pair-max-line", type=int, default=1,
+                    help="during the curriculum, pairs' wrong sum and cut lie in the first this-many lines")
+    ap.add_argument("--curriculum-steps", type=int, default=0, help="steps of the curriculum's first stage (0: none)")
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save", action="store_true", help="save the model to --out at the end")
+    ap.add_argument("--out", default="checkpoints/critic_probe")
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(a.seed)
+    if a.init == "scratch":
+        cfg = Qwen3Config(vocab_size=128, hidden_size=a.hidden, intermediate_size=a.inter, num_hidden_layers=a.layers,
+                          num_attention_heads=a.heads, num_key_value_heads=max(1, a.heads // 2), head_dim=32,
+                          max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=10000.0,
+                          bos_token_id=None, eos_token_id=TOK.eos_token_id, pad_token_id=TOK.pad_token_id,
+                          dtype="float32")
+        model = Qwen3ForCausalLM(cfg)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(a.init, dtype=torch.float32)
+    if a.grow:
+        grow(model, a.grow)
+    print("params", sum(p.numel() for p in model.parameters()), flush=True)
+    rng = random.Random(a.seed)
+    pair_sets = {"last": make_pairs("pm1_10", 100, 1, "last"), "earlier": make_pairs("pm1_10", 100, 2, "earlier"),
+                 "new": make_pairs("pm2_5_20", 100, 3, "last"), "first": make_pairs("pm1_10", 100, 4, "first")}
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.wd)
+
+    def lr_factor(s):  # warm-up, then cosine (or constant)
+        if a.schedule != "cosine":
+            return 1.0
+        return min(1.0, (s + 1) / a.warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, a.steps))))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    t0 = time.time()
+    evaluate(model, 0, pair_sets, a, t0)
+    losses = []
+    for step in range(a.steps):
+        a.step = step
+        b = batch_of(a.cycle[step % len(a.cycle)], rng, a)
+        width = max(len(x) for x, _ in b)
+        ids = torch.full((len(b), width), TOK.pad_token_id)
+        labels = torch.full((len(b), width), -100)
+        for r, (x, n) in enumerate(b):
+            ids[r, : len(x)] = torch.tensor(x)
+            labels[r, n: len(x)] = torch.tensor(x[n:])
+        model.train()
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if (step + 1) % 50 == 0:
+            print(f"step {step + 1} loss {sum(losses[-50:]) / 50:.4f} {time.time() - t0:.0f}s", flush=True)
+        if (step + 1) % a.eval_every == 0:
+            evaluate(model, step + 1, pair_sets, a, t0)
+    if a.save:
+        model.save_pretrained(a.out)
+        TOK.save_pretrained(a.out)
+
+
+if __name__ == "__main__":
+    main()
