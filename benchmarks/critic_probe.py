@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from critic_pairs import running_lines
+
 import ac2
 from common.tiny import (
     SHIPPED,
@@ -59,27 +61,7 @@ def critic_ids(problem, attempt_text, reference_text):
     return ac2.critic_context(chat(problem), attempt, reference_text, TOK, args)
 
 
-def lines_of(numbers, errors=None):
-    """Running-sum lines; errors: {line index: delta or callable(correct)->wrong}; later lines continue."""
-    out, total = [], numbers[0]
-    for i, x in enumerate(numbers[1:]):
-        new = total + x
-        e = (errors or {}).get(i)
-        if e is not None:
-            new = e(new) if callable(e) else new + e
-        out.append(f"{total}+{x}={new}")
-        total = new
-    return out
-
-
-def swap_digits(v):
-    s = str(v)
-    if len(s) < 2 or s[-1] == s[-2]:
-        return v + 9  # fallback: still wrong
-    return int(s[:-2] + s[-1] + s[-2])
-
-
-KINDS = {"pm1_10": [1, -1, 10, -10], "pm2_5_20": [2, -2, 5, -5, 20, -20], "pm100": [100, -100], "swap": [swap_digits]}
+KINDS = {"pm1_10": [1, -1, 10, -10], "pm2_5_20": [2, -2, 5, -5, 20, -20]}
 
 
 def make_pairs(kind, n, seed, position="last", problems=None):
@@ -104,7 +86,7 @@ def make_pairs(kind, n, seed, position="last", problems=None):
             j = rng.randrange(nl - 1)
             k = rng.randrange(j + 1, nl)
         d = rng.choice(KINDS[kind])
-        right, wrong = lines_of(nums), lines_of(nums, {j: d})
+        right, wrong = running_lines(nums), running_lines(nums, j, lambda v, d=d: v + d)
         if right == wrong:
             continue
         tail = ""
@@ -121,9 +103,10 @@ def make_pairs(kind, n, seed, position="last", problems=None):
 
 
 @torch.no_grad()
-def greedy_values(model, contexts, batch=64):
-    vals = []
+def greedy_texts(model, contexts, max_new_tokens, batch=64):
+    """Greedy continuations of token-id contexts (left-padded batches), decoded."""
     model.eval()
+    texts = []
     for i in range(0, len(contexts), batch):
         chunk = contexts[i:i + batch]
         width = max(map(len, chunk))
@@ -132,11 +115,14 @@ def greedy_values(model, contexts, batch=64):
         for r, c in enumerate(chunk):
             ids[r, width - len(c):] = torch.tensor(c)
             mask[r, width - len(c):] = 1
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id)
-        for r in range(len(chunk)):
-            vals.append(ac2.parse_critic_value(TOK.decode(out[r, width:], skip_special_tokens=True)))
-    return vals
+        texts += [TOK.decode(out[r, width:], skip_special_tokens=True) for r in range(len(chunk))]
+    return texts
+
+
+def greedy_values(model, contexts):
+    return [ac2.parse_critic_value(t) for t in greedy_texts(model, contexts, 4)]
 
 
 def pair_report(model, pairs, with_reference=True):
@@ -155,23 +141,8 @@ def pair_report(model, pairs, with_reference=True):
 
 def policy_greedy_acc(model, n=64):
     test = tiny_dataset("test")[:n]
-    ctx = [chat(p["problem"]) for p in test]
-    model.eval()
-    correct = 0
-    with torch.no_grad():
-        for i in range(0, n, 32):
-            chunk = ctx[i:i + 32]
-            width = max(map(len, chunk))
-            ids = torch.full((len(chunk), width), TOK.pad_token_id)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for r, c in enumerate(chunk):
-                ids[r, width - len(c):] = torch.tensor(c)
-                mask[r, width - len(c):] = 1
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=200, do_sample=False,
-                                 pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id)
-            for r, p in enumerate(test[i:i + 32]):
-                correct += tiny_reward(TOK.decode(out[r, width:], skip_special_tokens=True), p["answer"])
-    return correct / n
+    texts = greedy_texts(model, [chat(p["problem"]) for p in test], 200, batch=32)
+    return sum(tiny_reward(t, p["answer"]) for t, p in zip(texts, test)) / n
 
 
 @torch.no_grad()
@@ -235,7 +206,7 @@ def pair_prefixes(nums, d, rng, max_line=None):
         nl = min(nl, max_line)
     j = rng.randrange(nl)
     k = rng.randrange(j, nl)
-    lr, lw = lines_of(nums), lines_of(nums, {j: d})
+    lr, lw = running_lines(nums), running_lines(nums, j, lambda v: v + d)
     r, w = "\n".join(lr[: k + 1]), "\n".join(lw[: k + 1])
     if k + 1 < len(nums) - 1:
         c = rng.randint(0, min(len(lr[k + 1]), len(lw[k + 1])))
