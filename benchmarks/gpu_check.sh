@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/gpu_check.sh                      # one GPU: every stage that can run there
 #   GPU_CHECK_SMALL=1 bash benchmarks/gpu_check.sh    # its CPU twin, the same stages at a small shape (a test runs it)
+#   GPU_CHECK_TINY=0 ...                              # without stage 2 (the test suite's end-to-end runs cover it on a
+#                                                     # CPU; the test runs the twin so, and parses stage 2's flags)
 #
 # 0. trainer (no vLLM needed: what the GPU machines this project is lent can run): benchmarks/gpu_trainer_check.py
 #    -- a random-weight Qwen3-4B built on the GPU, FSDP2 in bf16, rows of 16k and 50k tokens through the scripts' own
@@ -59,12 +61,16 @@ stage trainer env GPU_CHECK_OUT="$WORK/trainer.json" python "$ROOT/benchmarks/gp
 if python -c "import vllm" 2> /dev/null; then
   stage engine_tests python -m pytest -q -p no:cacheprovider "${TESTS[@]}"
   cd "$WORK"
-  stage tiny_grpo python "$ROOT/grpo.py" --tiny --num-steps 1 --problems-per-step 8 --eval-every 0 --run-name tiny-grpo
-  stage tiny_ac2 python "$ROOT/ac2.py" --tiny --num-steps 1 --n-batch 8 --n-refill 8 --eval-every 0 --run-name tiny-ac2
-  stage tiny_rpo python "$ROOT/rpo.py" --tiny --train-limit 16 --problems-per-step 8 --num-steps 1 --eval-every 0 \
-    --run-name tiny-rpo
-  stage tiny_ccr python "$ROOT/ccr.py" --tiny --subset-size 24 --packs-per-step 8 --num-steps 1 --eval-every 0 \
-    --run-name tiny-ccr
+  if [ "${GPU_CHECK_TINY:-1}" = 1 ]; then
+    stage tiny_grpo python "$ROOT/grpo.py" --tiny --num-steps 1 --problems-per-step 8 --eval-every 0 \
+      --run-name tiny-grpo
+    stage tiny_ac2 python "$ROOT/ac2.py" --tiny --num-steps 1 --n-batch 8 --n-refill 8 --eval-every 0 \
+      --run-name tiny-ac2
+    stage tiny_rpo python "$ROOT/rpo.py" --tiny --train-limit 16 --problems-per-step 8 --num-steps 1 --eval-every 0 \
+      --run-name tiny-rpo
+    stage tiny_ccr python "$ROOT/ccr.py" --tiny --subset-size 24 --packs-per-step 8 --num-steps 1 --eval-every 0 \
+      --run-name tiny-ccr
+  fi
   stage paper_grpo python "$ROOT/grpo.py" --model "random:$CONFIG" "${GRPO_FLAGS[@]}" --num-steps 1 --eval-every 0 \
     --run-name paper-grpo
   stage paper_ac2 python "$ROOT/ac2.py" --model "random:$CONFIG" "${AC2_FLAGS[@]}" --num-steps 2 --eval-every 0 \

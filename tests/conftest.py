@@ -101,18 +101,30 @@ def assert_same_weights(a_dir: Path, b_dir: Path) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-def run_straight_and_resumed(script: str, args: list[str], kill_after: int, last: int, tmp_path: Path, ranks: int = 1):
+def run_straight_and_resumed(script: str, args: list[str], kill_after: int, last: int, tmp_path: Path, ranks: int = 1,
+                             straight: Path | None = None):
     """The resume contract: a run straight to step `last`, and the same run SIGKILLed once its step
     `kill_after` checkpoint exists, then resumed from it. Asserts the final weights are bit-identical and
-    returns the two runs' final trainer states and logged scalars, (straight, resumed), for script-specific checks."""
+    returns the two runs' final trainer states and logged scalars, (straight, resumed), for script-specific checks.
+    `straight`: a folder where `args` already ran straight to `last` as run "straight" (`straight_run`), reused."""
     import torch
 
-    run_script(script, *args, "--run-name", "straight", cwd=tmp_path, ranks=ranks)
+    if straight is None:
+        straight = tmp_path
+        run_script(script, *args, "--run-name", "straight", cwd=tmp_path, ranks=ranks)
     ckpt = tmp_path / f"checkpoints/killed/step_{kill_after}"
     run_killed_after(script, [*args, "--run-name", "killed"], ckpt / "trainer_state.pt", tmp_path, ranks=ranks)
     run_script(script, *args, "--resume", str(ckpt), "--run-name", "resumed", cwd=tmp_path, ranks=ranks)
-    final = {name: tmp_path / f"checkpoints/{name}/step_{last}" for name in ("straight", "resumed")}
+    where = {"straight": straight, "resumed": tmp_path}
+    final = {name: where[name] / f"checkpoints/{name}/step_{last}" for name in where}
     assert_same_weights(final["straight"] / "policy", final["resumed"] / "policy")
-    states = [torch.load(final[n] / "trainer_state.pt", weights_only=False) for n in ("straight", "resumed")]
-    scalars = [read_scalars(tmp_path / f"runs/{n}") for n in ("straight", "resumed")]
+    states = [torch.load(final[n] / "trainer_state.pt", weights_only=False) for n in where]
+    scalars = [read_scalars(where[n] / f"runs/{n}") for n in where]
     return (states[0], scalars[0]), (states[1], scalars[1])
+
+
+def straight_run(script: str, args: list[str], cwd: Path) -> Path:
+    """Run `args` straight through as run "straight" in `cwd` and return `cwd`: one run that a file's end-to-end checks
+    and its resume test (`run_straight_and_resumed(..., straight=...)`) both read, instead of running it twice."""
+    run_script(script, *args, "--run-name", "straight", cwd=cwd)
+    return cwd

@@ -3,7 +3,7 @@
 import math
 
 import pytest
-from conftest import CPU_ONLY, MISMATCH_KL, read_scalars, run_script, run_straight_and_resumed
+from conftest import CPU_ONLY, MISMATCH_KL, read_scalars, run_straight_and_resumed, straight_run
 
 pytestmark = pytest.mark.slow  # end-to-end runs: the full suite only (the fast tier: -m 'not slow')
 
@@ -12,9 +12,14 @@ SMALL = ["--tiny", "--subset-size", "96", "--packs-per-step", "8", "--epochs", "
          "--eval-limit", "24", "--save-every", "4", "--packed-eval-sizes", "1", "3", "--log-completions-every", "4"]
 
 
-def test_ccr_truncated_completions_keep_partial_credit(tmp_path):
-    run_script("ccr.py", *SMALL, "--run-name", "e2e", cwd=tmp_path)
-    s = read_scalars(tmp_path / "runs/e2e")
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """The SMALL run, straight through: the end-to-end checks below and the resume test's uninterrupted run."""
+    return straight_run("ccr.py", SMALL, tmp_path_factory.mktemp("ccr_small"))
+
+
+def test_ccr_truncated_completions_keep_partial_credit(small_run):
+    s = read_scalars(small_run / "runs/straight")
     for key in ["charts/decoding_flops", "charts/generated_tokens", "train/reward_mean", "losses/policy_loss",
                 "losses/clipfrac", "losses/approx_kl", "sampling/mismatch_kl", "ccr/tokens_per_step", "ccr/r_acc",
                 "ccr/r_fmt", "ccr/n_eff_mean", "ccr/truncated_frac", "ccr/completion_len_mean"]:
@@ -41,8 +46,8 @@ def test_ccr_truncated_completions_keep_partial_credit(tmp_path):
 
 
 @CPU_ONLY
-def test_ccr_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
-    (a, sa), (b, sb) = run_straight_and_resumed("ccr.py", SMALL, 4, 8, tmp_path)
+def test_ccr_resume_after_kill_matches_the_uninterrupted_run(tmp_path, small_run):
+    (a, sa), (b, sb) = run_straight_and_resumed("ccr.py", SMALL, 4, 8, tmp_path, straight=small_run)
     assert a["packs"] == b["packs"] and a["packs_epoch"] == b["packs_epoch"] == 1  # epoch 2's packs, redrawn alike
     for key in ["train/reward_mean", "losses/policy_loss", "ccr/tokens_per_step", "ccr/r_acc", "charts/decoding_flops"]:
         assert [sb[key][k] for k in range(5, 9)] == [sa[key][k] for k in range(5, 9)], key

@@ -59,8 +59,10 @@ GRPO = ["--tiny", "--num-steps", "2", "--problems-per-step", "8", "--group-size"
 
 
 def test_grpo_on_two_ranks_equals_one_rank(tmp_path):
-    run_script("grpo.py", *GRPO, "--run-name", "one", cwd=tmp_path)
-    run_script("grpo.py", *GRPO, "--run-name", "two", cwd=tmp_path, ranks=2)
+    """With --rollout-correction on: each rank weighs its own rows, and the weights' statistics gather over ranks."""
+    rc = ["--rollout-correction", "sequence-truncate"]
+    run_script("grpo.py", *GRPO, *rc, "--run-name", "one", cwd=tmp_path)
+    run_script("grpo.py", *GRPO, *rc, "--run-name", "two", cwd=tmp_path, ranks=2)
     s1, s2 = read_scalars(tmp_path / "runs/one"), read_scalars(tmp_path / "runs/two")
     # step 1 samples exactly the same completions (global seeds): same tokens, lengths, rewards
     for key in ["charts/generated_tokens", "charts/decoding_flops", "train/reward_mean", "train/response_len_mean",
@@ -68,7 +70,8 @@ def test_grpo_on_two_ranks_equals_one_rank(tmp_path):
         assert s2[key][1] == s1[key][1], key
     assert s2["eval/mean_score"][0] == s1["eval/mean_score"][0]
     # the loss is normalised over the global minibatch, so each step's statistics match too
-    for key in ["losses/policy_loss", "losses/entropy", "losses/approx_kl", "losses/grad_norm", "losses/eps_high"]:
+    for key in ["losses/policy_loss", "losses/entropy", "losses/approx_kl", "losses/grad_norm", "losses/eps_high",
+                "rollout/is_weight_mean", "rollout/is_weight_max"]:
         for step in (1, 2):
             assert math.isclose(s2[key][step], s1[key][step], rel_tol=1e-4, abs_tol=1e-6), (key, step)
     a, b = (load_file(str(tmp_path / f"checkpoints/{n}/step_2/policy/model.safetensors")) for n in ("one", "two"))
@@ -138,17 +141,14 @@ def test_a_rank_waits_as_long_as_the_collective_timeout_says(tmp_path):
     assert patient.returncode == 0 and patient.stdout.count("gathered [10, 20, 30, 40]") == 2, patient.stderr[-2000:]
 
 
-def test_the_rollout_correction_and_the_engines_old_logprobs_on_two_ranks_equal_one_rank(tmp_path):
-    """--rollout-correction and --old-logprobs engine under torchrun: each rank weighs its own rows, the statistics
-    gather over ranks, and the run is the one-process run."""
-    for name, flags in (("rc", ["--rollout-correction", "sequence-truncate"]),
-                        ("eng", ["--old-logprobs", "engine", "--no-entropy-control"])):
-        args = [*GRPO[:-2], "--save-every", "0", "--eval-every", "0", *flags]  # plain micro-batches
-        run_script("grpo.py", *args, "--run-name", f"{name}1", cwd=tmp_path)
-        run_script("grpo.py", *args, "--run-name", f"{name}2", cwd=tmp_path, ranks=2)
-        s1, s2 = read_scalars(tmp_path / f"runs/{name}1"), read_scalars(tmp_path / f"runs/{name}2")
-        keys = ["losses/policy_loss", "losses/approx_kl"] + (["rollout/is_weight_mean", "rollout/is_weight_max"]
-                                                             if name == "rc" else [])
-        for key in keys:
-            for step in (1, 2):
-                assert math.isclose(s2[key][step], s1[key][step], rel_tol=1e-4, abs_tol=1e-6), (name, key, step)
+def test_the_engines_old_logprobs_on_two_ranks_equal_one_rank(tmp_path):
+    """--old-logprobs engine under torchrun (--rollout-correction: test_grpo_on_two_ranks_equals_one_rank): the run is
+    the one-process run."""
+    args = [*GRPO[:-2], "--save-every", "0", "--eval-every", "0", "--old-logprobs", "engine",
+            "--no-entropy-control"]  # plain micro-batches
+    run_script("grpo.py", *args, "--run-name", "one", cwd=tmp_path)
+    run_script("grpo.py", *args, "--run-name", "two", cwd=tmp_path, ranks=2)
+    s1, s2 = read_scalars(tmp_path / "runs/one"), read_scalars(tmp_path / "runs/two")
+    for key in ["losses/policy_loss", "losses/approx_kl"]:
+        for step in (1, 2):
+            assert math.isclose(s2[key][step], s1[key][step], rel_tol=1e-4, abs_tol=1e-6), (key, step)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CPU_ONLY, MISMATCH_KL, MISMATCH_MAX, read_scalars, run_script, run_straight_and_resumed
+from conftest import CPU_ONLY, MISMATCH_KL, MISMATCH_MAX, read_scalars, run_straight_and_resumed, straight_run
 from safetensors.torch import load_file
 
 SMALL = ["--tiny", "--num-steps", "4", "--problems-per-step", "8", "--group-size", "4", "--eval-every", "2",
@@ -19,9 +19,14 @@ def weights(folder):
     return load_file(str(folder / "model.safetensors"))
 
 
-def test_grpo_tiny_run_logs_every_metric_and_changes_the_weights(tmp_path, tiny_model):
-    run_script("grpo.py", *SMALL, "--run-name", "e2e", cwd=tmp_path)
-    s = read_scalars(tmp_path / "runs" / "e2e")
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """The SMALL run, straight through: the end-to-end checks below and the resume test's uninterrupted run."""
+    return straight_run("grpo.py", SMALL, tmp_path_factory.mktemp("grpo_small"))
+
+
+def test_grpo_tiny_run_logs_every_metric_and_changes_the_weights(small_run, tiny_model):
+    s = read_scalars(small_run / "runs" / "straight")
     for key in SHARED_KEYS + ["train/zero_std_frac", "train/truncated_frac", "losses/clipfrac_dual",
                               "losses/eps_high", "sampling/mismatch_max", "train/response_len_mean"]:
         assert sorted(s[key]) == [1, 2, 3, 4], key
@@ -37,16 +42,16 @@ def test_grpo_tiny_run_logs_every_metric_and_changes_the_weights(tmp_path, tiny_
     assert max(s["sampling/mismatch_max"].values()) < MISMATCH_MAX
     assert abs(s["losses/eps_high"][1] - (0.28 + 0.08)) < 1e-6 # k0 = 0.06, tiny entropy is below H* = 0.28: +0.02
     assert 0 < s["train/response_len_mean"][1] < 150
-    before, after = weights(Path(tiny_model)), weights(tmp_path / "checkpoints/e2e/step_4/policy")
+    before, after = weights(Path(tiny_model)), weights(small_run / "checkpoints/straight/step_4/policy")
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) == len(before), "every parameter tensor should have moved"
 
 
 @pytest.mark.slow
 @CPU_ONLY
-def test_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
+def test_resume_after_kill_matches_the_uninterrupted_run(tmp_path, small_run):
     # the same run, killed (SIGKILL) once its step-2 checkpoint exists, then resumed from it
-    (_, sa), (_, sb) = run_straight_and_resumed("grpo.py", SMALL, 2, 4, tmp_path)
+    (_, sa), (_, sb) = run_straight_and_resumed("grpo.py", SMALL, 2, 4, tmp_path, straight=small_run)
     for key in ["train/reward_mean", "losses/policy_loss", "losses/entropy", "losses/eps_high",
                 "charts/decoding_flops", "charts/generated_tokens", "train/response_len_mean"]:
         assert sorted(sb[key]) == [3, 4], key

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import CPU_ONLY, MISMATCH_KL, read_scalars, run_script, run_straight_and_resumed
+from conftest import CPU_ONLY, MISMATCH_KL, read_scalars, run_script, run_straight_and_resumed, straight_run
 
 pytestmark = pytest.mark.slow  # end-to-end runs: the full suite only (the fast tier: -m 'not slow')
 
@@ -13,9 +13,14 @@ SMALL = ["--tiny", "--train-limit", "64", "--problems-per-step", "16", "--epochs
          "--eval-limit", "32", "--save-every", "4", "--log-completions-every", "4"]
 
 
-def test_rpo_decodes_only_short_tails_and_the_cache_moves(tmp_path):
-    run_script("rpo.py", *SMALL, "--run-name", "e2e", cwd=tmp_path)
-    s = read_scalars(tmp_path / "runs/e2e")
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """The SMALL run, straight through: the end-to-end checks below and the resume test's uninterrupted run."""
+    return straight_run("rpo.py", SMALL, tmp_path_factory.mktemp("rpo_small"))
+
+
+def test_rpo_decodes_only_short_tails_and_the_cache_moves(small_run):
+    s = read_scalars(small_run / "runs/straight")
     for key in ["charts/decoding_flops", "charts/generated_tokens", "train/reward_mean", "losses/policy_loss",
                 "losses/clipfrac", "losses/approx_kl", "rpo/continuation_entropy", "sampling/mismatch_kl",
                 "time/generate",
@@ -36,8 +41,8 @@ def test_rpo_decodes_only_short_tails_and_the_cache_moves(tmp_path):
     for k in s["rpo/reward_after_shaping"]:
         acc, shaped = s["rpo/reward_before_shaping"][k], s["rpo/reward_after_shaping"][k]
         assert 0.5 * acc - 1e-6 <= shaped <= acc + 1e-6
-    a = torch.load(tmp_path / "checkpoints/e2e/step_4/trainer_state.pt", weights_only=False)
-    b = torch.load(tmp_path / "checkpoints/e2e/step_8/trainer_state.pt", weights_only=False)
+    a = torch.load(small_run / "checkpoints/straight/step_4/trainer_state.pt", weights_only=False)
+    b = torch.load(small_run / "checkpoints/straight/step_8/trainer_state.pt", weights_only=False)
     assert len(a["cache"]) == len(b["cache"]) == 64
     changed = sum(a["cache"][p] != b["cache"][p] for p in a["cache"])
     # steps 5-8 revisit every problem and replace its entry; a continuation of the cached prefix often
@@ -47,8 +52,8 @@ def test_rpo_decodes_only_short_tails_and_the_cache_moves(tmp_path):
 
 
 @CPU_ONLY
-def test_rpo_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
-    (a, sa), (b, sb) = run_straight_and_resumed("rpo.py", SMALL, 4, 8, tmp_path)
+def test_rpo_resume_after_kill_matches_the_uninterrupted_run(tmp_path, small_run):
+    (a, sa), (b, sb) = run_straight_and_resumed("rpo.py", SMALL, 4, 8, tmp_path, straight=small_run)
     assert a["cache"] == b["cache"] and a["previous_shortest"] == b["previous_shortest"]
     for key in ["train/reward_mean", "losses/policy_loss", "rpo/new_tokens_per_sample", "rpo/m_mean",
                 "charts/decoding_flops", "charts/learning_rate"]:
