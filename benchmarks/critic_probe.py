@@ -193,9 +193,21 @@ def value_of(attempt, nums, label_rate):
     return round(10 * (1 - label_rate) ** max(remaining, 0))
 
 
+def left_every_trace(attempt, nums):
+    return not any(tiny_solution(nums, check=c).startswith(attempt) for c in (False, True))
+
+
+def attempt_flags(problem, attempt, nums):
+    """(position in the critic context, 1 if the attempt up to that token has left every correct trace) for each
+    attempt token: the dense labels of `--flag-weight`."""
+    start, ids = len(chat(problem)), enc(attempt)
+    return [(start + i, float(left_every_trace(TOK.decode(ids[: i + 1]), nums))) for i in range(len(ids))]
+
+
 def critic_example(p, nums, attempt, ref, a):
     ctx = critic_ids(p["problem"], attempt, ref)
-    return ctx + enc(VALUE_STRINGS[value_of(attempt, nums, a.label_rate)]) + [EOS], len(ctx)
+    flags = attempt_flags(p["problem"], attempt, nums) if a.flag_weight else []
+    return ctx + enc(VALUE_STRINGS[value_of(attempt, nums, a.label_rate)]) + [EOS], len(ctx), flags
 
 
 def pair_prefixes(nums, d, rng, max_line=None):
@@ -223,12 +235,12 @@ def example(kind, rng, a):
         ctx = chat(tiny_pack_prompt([p["problem"] for p, _ in pack]))
         checks = [rng.random() < 0.5 for _ in pack]
         resp = tiny_packed_solution([n for _, n in pack], rng, a.error_rate, checks)
-        return [(ctx + enc(resp) + [EOS], len(ctx))]
+        return [(ctx + enc(resp) + [EOS], len(ctx), [])]
     p, nums = draw(rng)
     check = rng.random() < 0.5
     if kind == "s":
         ctx = chat(p["problem"])
-        return [(ctx + enc(tiny_solution(nums, rng, a.error_rate, check)) + [EOS], len(ctx))]
+        return [(ctx + enc(tiny_solution(nums, rng, a.error_rate, check)) + [EOS], len(ctx), [])]
     ref = tiny_solution(nums, check=rng.random() < 0.5) if rng.random() < a.ref_prob else None
     if rng.random() < a.pair_frac and len(nums) >= 2:
         max_line = a.pair_max_line if a.step < a.curriculum_steps else None
@@ -303,6 +315,10 @@ def main():
     ap.add_argument("--pair-max-line", type=int, default=1,
                     help="during the curriculum, pairs' wrong sum and cut lie in the first this-many lines")
     ap.add_argument("--curriculum-steps", type=int, default=0, help="steps of the curriculum's first stage (0: none)")
+    ap.add_argument("--flag-weight", type=float, default=0.0,
+                    help="weight of a dense auxiliary loss: at every attempt token of a critic example, a linear probe "
+                         "on --flag-layer's output predicts whether the attempt has left every correct trace")
+    ap.add_argument("--flag-layer", type=int, default=-1, help="the probed layer output (negative: from the top)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", action="store_true", help="save the model to --out at the end")
@@ -327,7 +343,10 @@ def main():
     rng = random.Random(a.seed)
     pair_sets = {"last": make_pairs("pm1_10", 100, 1, "last"), "earlier": make_pairs("pm1_10", 100, 2, "earlier"),
                  "new": make_pairs("pm2_5_20", 100, 3, "last"), "first": make_pairs("pm1_10", 100, 4, "first")}
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.wd)
+    if a.flag_layer < 0:
+        a.flag_layer += len(model.model.layers)  # hidden_states[i] is the output of layer i (0: the embeddings)
+    probe = torch.nn.Linear(model.config.hidden_size, 1)  # training only: never saved, never read by the critic
+    opt = torch.optim.AdamW([*model.parameters(), *probe.parameters()], lr=a.lr, weight_decay=a.wd)
 
     def lr_factor(s):  # warm-up, then cosine (or constant)
         if a.schedule != "cosine":
@@ -337,26 +356,35 @@ def main():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     t0 = time.time()
     evaluate(model, 0, pair_sets, a, t0)
-    losses = []
+    losses, flag_losses = [], []
     for step in range(a.steps):
         a.step = step
         b = batch_of(a.cycle[step % len(a.cycle)], rng, a)
-        width = max(len(x) for x, _ in b)
+        width = max(len(x) for x, _, _ in b)
         ids = torch.full((len(b), width), TOK.pad_token_id)
         labels = torch.full((len(b), width), -100)
-        for r, (x, n) in enumerate(b):
+        for r, (x, n, _) in enumerate(b):
             ids[r, : len(x)] = torch.tensor(x)
             labels[r, n: len(x)] = torch.tensor(x[n:])
         model.train()
-        loss = model(input_ids=ids, labels=labels).loss
+        out = model(input_ids=ids, labels=labels, output_hidden_states=bool(a.flag_weight))
+        loss = out.loss
+        flags = [(r, pos, y) for r, (_, _, f) in enumerate(b) for pos, y in f]
+        if flags:  # the dense auxiliary loss: a linear probe reads "left every correct trace" at each attempt token
+            rows, cols, ys = (torch.tensor(v) for v in zip(*flags))
+            logit = probe(out.hidden_states[a.flag_layer][rows, cols]).squeeze(-1)
+            flag_loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, ys.float())
+            flag_losses.append(flag_loss.item())
+            loss = loss + a.flag_weight * flag_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(loss.item())
+        losses.append(out.loss.item())  # the value tokens (and any solve / packed tokens) only
         if (step + 1) % 50 == 0:
-            print(f"step {step + 1} loss {sum(losses[-50:]) / 50:.4f} {time.time() - t0:.0f}s", flush=True)
+            flag = f" flag loss {sum(flag_losses[-50:]) / len(flag_losses[-50:]):.4f}" if flag_losses else ""
+            print(f"step {step + 1} loss {sum(losses[-50:]) / 50:.4f}{flag} {time.time() - t0:.0f}s", flush=True)
         if (step + 1) % a.eval_every == 0:
             evaluate(model, step + 1, pair_sets, a, t0)
     if a.save:
