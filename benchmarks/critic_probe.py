@@ -2,6 +2,10 @@
 
     python benchmarks/critic_probe.py --cycle c --steps 750 --eval-every 250            # attempt A (docs/ac2.md)
     python benchmarks/critic_probe.py --grow 4 --cycle c --steps 1000 --eval-every 250  # attempt B: 8 layers
+    python benchmarks/critic_probe.py --cycle c --pair-frac 1.0 --ref-prob 0.5 --flag-weight 1.0 \
+        --schedule constant --steps 600 --eval-every 150                                # attempt E: a dense label
+    python benchmarks/critic_probe.py --baselines   # the losses a critic without the skill gets, to read the above by
+    (every attempt's command, A-F, and what it reached: docs/ac2.md, "Can the tiny critic learn to judge?")
 
 Fine-tunes the shipped tiny model (or `--init scratch`, or the shipped model with `--grow N` decoder layers appended
 whose output projections start at zero, so the function is unchanged at step 0) on batches of the warm start's
@@ -252,6 +256,33 @@ def example(kind, rng, a):
     return [critic_example(p, nums, attempt, ref, a)]
 
 
+def baselines(a, n=3000):
+    """What no skill scores, on the probe's own sibling pairs: the value loss of a critic that knows how many lines
+    are left but not whether they are right (each pair's two label strings equally likely, token by token), any
+    line and first line only; and --flag-weight's label base rate with a constant guess's loss."""
+    out = {}
+    for name, max_line in (("value_loss_any_line", None), ("value_loss_first_line", 1)):
+        rng, total, count = random.Random(0), 0.0, 0
+        for _ in range(n):
+            _, nums = draw(rng)
+            r, w = pair_prefixes(nums, rng.choice([-10, -1, 1, 10]), rng, max_line)
+            seqs = [enc(VALUE_STRINGS[value_of(x, nums, a.label_rate)]) + [EOS] for x in (r, w)]
+            for q in seqs:
+                for i, t in enumerate(q):
+                    alike = [o for o in seqs if o[:i] == q[:i]]
+                    total -= math.log(sum(len(o) > i and o[i] == t for o in alike) / len(alike))
+                    count += 1
+        out[name] = round(total / count, 4)
+    rng, ys = random.Random(5), []
+    a.flag_weight, a.step = 1.0, 0
+    for _ in range(400):
+        ys += [y for ex in example("c", rng, a) for _, y in ex[2]]
+    rate = sum(ys) / len(ys)
+    out["flag_rate"] = round(rate, 3)
+    out["flag_loss_constant"] = round(-(rate * math.log(rate) + (1 - rate) * math.log(1 - rate)), 4)
+    print(json.dumps(out))
+
+
 def batch_of(kind, rng, a):
     n = a.solve_batch if kind == "s" else a.batch
     out = []
@@ -323,7 +354,10 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", action="store_true", help="save the model to --out at the end")
     ap.add_argument("--out", default="checkpoints/critic_probe")
+    ap.add_argument("--baselines", action="store_true", help="print what no skill scores (the losses above) and exit")
     a = ap.parse_args()
+    if a.baselines:
+        return baselines(a)
     torch.set_num_threads(2)
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
