@@ -5,6 +5,7 @@
     python benchmarks/critic_probe.py --cycle c --pair-frac 1.0 --ref-prob 0.5 --flag-weight 1.0 \
         --schedule constant --steps 600 --eval-every 150                                # attempt E: a dense label
     python benchmarks/critic_probe.py --baselines   # the losses a critic without the skill gets, to read the above by
+    python benchmarks/critic_probe.py --frozen-probe   # which layer of the model holds "this digit is wrong" (none)
     (every attempt's command, A-F, and what it reached: docs/ac2.md, "Can the tiny critic learn to judge?")
 
 Fine-tunes the shipped tiny model (or `--init scratch`, or the shipped model with `--grow N` decoder layers appended
@@ -283,6 +284,61 @@ def baselines(a, n=3000):
     print(json.dumps(out))
 
 
+@torch.no_grad()
+def frozen_probe(model, n_train=2000, n_test=500):
+    """Where in the frozen model is "this digit is wrong" readable? Attempts cut at the first digit where a wrong sum
+    differs from the right one (and the same cut of its right twin), in the plain solving context; a logistic
+    regression on each layer's output at that last token, fitted on training problems and scored on held-out ones.
+    Beside it, the policy's own surprise: the log-probability its prediction one token earlier gave that digit."""
+    def cuts(rng, n, problems=None):
+        out = []
+        while len(out) < n:
+            p, nums = draw(rng) if problems is None else (lambda q: (q, [int(x) for x in q["problem"][5:].split("+")]))(
+                rng.choice(problems))
+            if len(nums) < 2:
+                continue
+            j = rng.randrange(len(nums) - 1)
+            d = rng.choice([-10, -1, 1, 10])
+            r, w = "\n".join(running_lines(nums)), "\n".join(running_lines(nums, j, lambda v, d=d: v + d))
+            at = next(i for i, (x, y) in enumerate(zip(r, w)) if x != y)
+            out += [(chat(p["problem"]) + enc(r[: at + 1]), 0.0), (chat(p["problem"]) + enc(w[: at + 1]), 1.0)]
+        return out
+
+    def features(examples):
+        layers, surprise = [], []
+        for ids, _ in examples:
+            out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+            layers.append(torch.stack([h[0, -1] for h in out.hidden_states]))  # embeddings, layers 1..L (normed)
+            logp = torch.log_softmax(out.logits[0, -2].float(), -1)
+            surprise.append(float(logp[ids[-1]]))
+        return torch.stack(layers), torch.tensor(surprise)
+
+    model.eval()
+    train = cuts(random.Random(7), n_train)
+    test = cuts(random.Random(8), n_test, [q for q in tiny_dataset("test") if q["difficulty"] >= 2])
+    (xa, sa), (xb, sb) = features(train), features(test)
+    ya, yb = torch.tensor([y for _, y in train]), torch.tensor([y for _, y in test])
+    report = {}
+    for layer in range(xa.shape[1]):
+        mu, sd = xa[:, layer].mean(0), xa[:, layer].std(0) + 1e-6
+        fa, fb = (xa[:, layer] - mu) / sd, (xb[:, layer] - mu) / sd
+        with torch.enable_grad():
+            lin = torch.nn.Linear(fa.shape[1], 1)
+            opt = torch.optim.Adam(lin.parameters(), lr=1e-2, weight_decay=1e-4)
+            for _ in range(300):
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(lin(fa).squeeze(-1), ya)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        acc = [round(float(((lin(f).squeeze(-1) > 0).float() == y).float().mean()), 3) for f, y in ((fb, yb), (fa, ya))]
+        last = layer == xa.shape[1] - 1
+        report["embeddings" if layer == 0 else f"layer_{layer}" + (" (after the final norm)" if last else "")] = acc
+    cut = sa.median()  # the surprise alone, one threshold fitted on the training examples
+    report["policy_surprise"] = [round(float(((x < cut).float() == y).float().mean()), 3)
+                                 for x, y in ((sb, yb), (sa, ya))]
+    print(json.dumps({"accuracy_held_out_and_train": report, "train": len(train), "test": len(test)}))
+
+
 def batch_of(kind, rng, a):
     n = a.solve_batch if kind == "s" else a.batch
     out = []
@@ -354,6 +410,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", action="store_true", help="save the model to --out at the end")
     ap.add_argument("--out", default="checkpoints/critic_probe")
+    ap.add_argument("--frozen-probe", action="store_true",
+                    help="fit a linear probe on each layer of the (frozen) model for 'this digit is wrong' and exit")
     ap.add_argument("--baselines", action="store_true", help="print what no skill scores (the losses above) and exit")
     a = ap.parse_args()
     if a.baselines:
@@ -373,6 +431,8 @@ def main():
         model = AutoModelForCausalLM.from_pretrained(a.init, dtype=torch.float32)
     if a.grow:
         grow(model, a.grow)
+    if a.frozen_probe:
+        return frozen_probe(model)
     print("params", sum(p.numel() for p in model.parameters()), flush=True)
     rng = random.Random(a.seed)
     pair_sets = {"last": make_pairs("pm1_10", 100, 1, "last"), "earlier": make_pairs("pm1_10", 100, 2, "earlier"),
