@@ -61,3 +61,21 @@ def test_swapping_the_last_two_digits_always_changes_the_value():
     assert critic_pairs.swap_last_digits(1234) == 1243
     assert critic_pairs.swap_last_digits(1233) == 1233 + 9  # equal digits: still wrong, by another slip
     assert critic_pairs.swap_last_digits(7) == 16
+
+
+def test_the_probes_dense_label_turns_on_at_the_first_wrong_digit_and_stays_on():
+    # critic_probe.py --flag-weight: 1 from the token where the attempt leaves every correct trace (with or without
+    # its `check:` copy), 0 before; positions count from the attempt's start in the critic context
+    import critic_probe
+
+    problem, nums = "Add: 33+95+46", [33, 95, 46]
+    attempt = "33+95=129\n129+46=175"
+    flags = critic_probe.attempt_flags(problem, attempt, nums)
+    start = len(critic_probe.chat(problem))
+    assert [pos for pos, _ in flags] == list(range(start, start + len(attempt)))
+    first_wrong = attempt.index("9\n")  # "33+95=12" is still on the right trace, its "9" is not
+    assert [y for _, y in flags] == [0.0] * first_wrong + [1.0] * (len(attempt) - first_wrong)
+    right = "33+95=128\n128+46=174\n</think>"
+    assert all(y == 0.0 for _, y in critic_probe.attempt_flags(problem, right, nums))
+    # the check: copy is a correct trace too
+    assert all(y == 0.0 for _, y in critic_probe.attempt_flags(problem, "33+95=128\n128+46=174\ncheck:\n33+9", nums))
