@@ -5,8 +5,8 @@
     python benchmarks/critic_probe.py --cycle c --pair-frac 1.0 --ref-prob 0.5 --flag-weight 1.0 \
         --schedule constant --steps 600 --eval-every 150                                # attempt E: a dense label
     python benchmarks/critic_probe.py --baselines   # the losses a critic without the skill gets, to read the above by
-    python benchmarks/critic_probe.py --frozen-probe   # which layer of the model holds "this digit is wrong" (none)
-    (every attempt's command, A-F, and what it reached: docs/ac2.md, "Can the tiny critic learn to judge?")
+    python benchmarks/critic_probe.py --frozen-probe --steps 0   # which layer holds "this sum is wrong" (none)
+    (every attempt's command, A-G, and what it reached: docs/ac2.md, "Can the tiny critic learn to judge?")
 
 Fine-tunes the shipped tiny model (or `--init scratch`, or the shipped model with `--grow N` decoder layers appended
 whose output projections start at zero, so the function is unchanged at step 0) on batches of the warm start's
@@ -209,6 +209,19 @@ def attempt_flags(problem, attempt, nums):
     return [(start + i, float(left_every_trace(TOK.decode(ids[: i + 1]), nums))) for i in range(len(ids))]
 
 
+def wait_trace(nums, rng, slip_rate):
+    """A solving trace that notices every slip (--wait): the wrong line, then `wait: ` and the line with the right
+    sum, and the trace goes on from the right value, so that writing `wait` needs knowing the sum just read is wrong."""
+    lines, total = [], nums[0]
+    for x in nums[1:]:
+        if rng.random() < slip_rate:
+            lines += [f"{total}+{x}={total + x + rng.choice([-10, -1, 1, 10])}", f"wait: {total}+{x}={total + x}"]
+        else:
+            lines.append(f"{total}+{x}={total + x}")
+        total += x
+    return "\n".join(lines) + "\n</think>\n\n\\boxed{" + str(total) + "}"
+
+
 def critic_example(p, nums, attempt, ref, a):
     ctx = critic_ids(p["problem"], attempt, ref)
     flags = attempt_flags(p["problem"], attempt, nums) if a.flag_weight else []
@@ -245,7 +258,8 @@ def example(kind, rng, a):
     check = rng.random() < 0.5
     if kind == "s":
         ctx = chat(p["problem"])
-        return [(ctx + enc(tiny_solution(nums, rng, a.error_rate, check)) + [EOS], len(ctx), [])]
+        text = wait_trace(nums, rng, a.error_rate) if a.wait else tiny_solution(nums, rng, a.error_rate, check)
+        return [(ctx + enc(text) + [EOS], len(ctx), [])]
     ref = tiny_solution(nums, check=rng.random() < 0.5) if rng.random() < a.ref_prob else None
     if rng.random() < a.pair_frac and len(nums) >= 2:
         max_line = a.pair_max_line if a.step < a.curriculum_steps else None
@@ -285,11 +299,12 @@ def baselines(a, n=3000):
 
 
 @torch.no_grad()
-def frozen_probe(model, n_train=2000, n_test=500):
-    """Where in the frozen model is "this digit is wrong" readable? Attempts cut at the first digit where a wrong sum
-    differs from the right one (and the same cut of its right twin), in the plain solving context; a logistic
+def frozen_probe(model, where="digit", n_train=2000, n_test=500):
+    """Where in the frozen model is "this sum is wrong" readable? Attempts cut at the first digit where a wrong sum
+    differs from the right one (`where` 'digit'), or right after the wrong line's newline ('line_end', where a trace
+    that notices its slip writes `wait`), and the same cut of the right twin, in the plain solving context; a logistic
     regression on each layer's output at that last token, fitted on training problems and scored on held-out ones.
-    Beside it, the policy's own surprise: the log-probability its prediction one token earlier gave that digit."""
+    Beside it, at the digit, the policy's own surprise: the log-probability its prediction a token earlier gave it."""
     def cuts(rng, n, problems=None):
         out = []
         while len(out) < n:
@@ -301,7 +316,11 @@ def frozen_probe(model, n_train=2000, n_test=500):
             d = rng.choice([-10, -1, 1, 10])
             r, w = "\n".join(running_lines(nums)), "\n".join(running_lines(nums, j, lambda v, d=d: v + d))
             at = next(i for i, (x, y) in enumerate(zip(r, w)) if x != y)
-            out += [(chat(p["problem"]) + enc(r[: at + 1]), 0.0), (chat(p["problem"]) + enc(w[: at + 1]), 1.0)]
+            if where == "digit":
+                r, w = r[: at + 1], w[: at + 1]
+            else:  # each through its own newline: a slip can change the sum's length
+                r, w = ((t + "\n")[: (t + "\n").index("\n", at) + 1] for t in (r, w))
+            out += [(chat(p["problem"]) + enc(r), 0.0), (chat(p["problem"]) + enc(w), 1.0)]
         return out
 
     def features(examples):
@@ -333,10 +352,27 @@ def frozen_probe(model, n_train=2000, n_test=500):
         acc = [round(float(((lin(f).squeeze(-1) > 0).float() == y).float().mean()), 3) for f, y in ((fb, yb), (fa, ya))]
         last = layer == xa.shape[1] - 1
         report["embeddings" if layer == 0 else f"layer_{layer}" + (" (after the final norm)" if last else "")] = acc
-    cut = sa.median()  # the surprise alone, one threshold fitted on the training examples
-    report["policy_surprise"] = [round(float(((x < cut).float() == y).float().mean()), 3)
-                                 for x, y in ((sb, yb), (sa, ya))]
-    print(json.dumps({"accuracy_held_out_and_train": report, "train": len(train), "test": len(test)}))
+    if where == "digit":
+        cut = sa.median()  # the surprise alone, one threshold fitted on the training examples
+        report["policy_surprise"] = [round(float(((x < cut).float() == y).float().mean()), 3)
+                                     for x, y in ((sb, yb), (sa, ya))]
+    print(json.dumps({"probe_at": where, "accuracy_held_out_and_train": report, "train": len(train),
+                      "test": len(test)}), flush=True)
+
+
+def says_wait(model, n=200):
+    """How often the greedy policy writes `wait` right after a wrong line, and after a right one (held-out)."""
+    rng, pool, ctx, wrong = random.Random(9), [q for q in tiny_dataset("test") if q["difficulty"] >= 2], [], []
+    while len(ctx) < n:
+        p = rng.choice(pool)
+        nums = [int(x) for x in p["problem"][5:].split("+")]
+        j, d = rng.randrange(len(nums) - 1), rng.choice([-10, -1, 1, 10])
+        for lines, bad in ((running_lines(nums), False), (running_lines(nums, j, lambda v, d=d: v + d), True)):
+            ctx.append(chat(p["problem"]) + enc("\n".join(lines[: j + 1]) + "\n"))
+            wrong.append(bad)
+    said = [t.startswith("wait") for t in greedy_texts(model, ctx, 4)]
+    print(json.dumps({"says_wait_after_a_wrong_line": sum(s for s, b in zip(said, wrong) if b),
+                      "after_a_right_line": sum(s for s, b in zip(said, wrong) if not b), "pairs": n // 2}), flush=True)
 
 
 def batch_of(kind, rng, a):
@@ -411,7 +447,10 @@ def main():
     ap.add_argument("--save", action="store_true", help="save the model to --out at the end")
     ap.add_argument("--out", default="checkpoints/critic_probe")
     ap.add_argument("--frozen-probe", action="store_true",
-                    help="fit a linear probe on each layer of the (frozen) model for 'this digit is wrong' and exit")
+                    help="fit a linear probe on each layer of the frozen model for 'this sum is wrong', before "
+                         "training and after it (--steps 0: before only)")
+    ap.add_argument("--wait", action="store_true",
+                    help="solve traces notice every slip: a 'wait: ' line with the right sum follows it")
     ap.add_argument("--baselines", action="store_true", help="print what no skill scores (the losses above) and exit")
     a = ap.parse_args()
     if a.baselines:
@@ -432,7 +471,10 @@ def main():
     if a.grow:
         grow(model, a.grow)
     if a.frozen_probe:
-        return frozen_probe(model)
+        for where in ("digit", "line_end"):
+            frozen_probe(model, where)
+        if not a.steps:
+            return
     print("params", sum(p.numel() for p in model.parameters()), flush=True)
     rng = random.Random(a.seed)
     pair_sets = {"last": make_pairs("pm1_10", 100, 1, "last"), "earlier": make_pairs("pm1_10", 100, 2, "earlier"),
@@ -481,6 +523,11 @@ def main():
             print(f"step {step + 1} loss {sum(losses[-50:]) / 50:.4f}{flag} {time.time() - t0:.0f}s", flush=True)
         if (step + 1) % a.eval_every == 0:
             evaluate(model, step + 1, pair_sets, a, t0)
+    if a.wait:
+        says_wait(model)
+    if a.frozen_probe:
+        for where in ("digit", "line_end"):
+            frozen_probe(model, where)
     if a.save:
         model.save_pretrained(a.out)
         TOK.save_pretrained(a.out)
