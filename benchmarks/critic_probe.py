@@ -4,7 +4,7 @@
     python benchmarks/critic_probe.py --grow 4 --cycle c --steps 1000 --eval-every 250  # attempt B: 8 layers
     python benchmarks/critic_probe.py --cycle c --pair-frac 1.0 --ref-prob 0.5 --flag-weight 1.0 \
         --schedule constant --steps 600 --eval-every 150                                # attempt E: a dense label
-    python benchmarks/critic_probe.py --baselines   # the losses a critic without the skill gets, to read the above by
+    python benchmarks/critic_probe.py --baselines --pair-frac 1.0 --ref-prob 0.5  # what no skill scores (E's mix)
     python benchmarks/critic_probe.py --frozen-probe --steps 0   # which layer holds "this sum is wrong" (none)
     (every attempt's command, A-G, and what it reached: docs/ac2.md, "Can the tiny critic learn to judge?")
 
@@ -52,6 +52,7 @@ from common.tiny import (
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id
 HELD_OUT = {p["problem"] for p in tiny_dataset("test")}
+HELD_OUT_LINES = [p for p in tiny_dataset("test") if p["difficulty"] >= 2]  # a wrong sum needs a line
 
 
 def chat(user):
@@ -78,7 +79,7 @@ def make_pairs(kind, n, seed, position="last", problems=None):
     out = []
     while len(out) < n:
         p = rng.choice(pool)
-        nums = [int(x) for x in p["problem"][5:].split("+")]
+        nums = terms(p)
         nl = len(nums) - 1
         if position == "first":
             j = k = 0
@@ -177,29 +178,39 @@ def soft_pairs(model, pairs):
     return round(sum(b > a for a, b in zip(z[0::2], z[1::2])) / len(pairs), 3)
 
 
+def terms(p):
+    return [int(x) for x in p["problem"][len("Add: "):].split("+")]
+
+
+def draw_held_out(rng):
+    """A test-split problem with 2+ terms and its terms."""
+    p = rng.choice(HELD_OUT_LINES)
+    return p, terms(p)
+
+
 def draw(rng):
     """A training problem (never one of the test split's) and its terms."""
     while True:
         p = tiny_problem(rng)
         if p["problem"] not in HELD_OUT:
-            return p, [int(x) for x in p["problem"][5:].split("+")]
+            return p, terms(p)
 
 
 def enc(t):
     return TOK(t, add_special_tokens=False)["input_ids"]
 
 
+def left_every_trace(attempt, nums):
+    return not any(tiny_solution(nums, check=c).startswith(attempt) for c in (False, True))
+
+
 def value_of(attempt, nums, label_rate):
     """The warm start's label (as an index into VALUE_STRINGS): 0 once the attempt has left every correct trace,
     else (1 - label_rate)^(lines left)."""
-    if not any(tiny_solution(nums, check=c).startswith(attempt) for c in (False, True)):
+    if left_every_trace(attempt, nums):
         return 0
     remaining = len(nums) - 1 - attempt.split("check:")[0].count("\n")
     return round(10 * (1 - label_rate) ** max(remaining, 0))
-
-
-def left_every_trace(attempt, nums):
-    return not any(tiny_solution(nums, check=c).startswith(attempt) for c in (False, True))
 
 
 def attempt_flags(problem, attempt, nums):
@@ -305,11 +316,10 @@ def frozen_probe(model, where="digit", n_train=2000, n_test=500):
     that notices its slip writes `wait`), and the same cut of the right twin, in the plain solving context; a logistic
     regression on each layer's output at that last token, fitted on training problems and scored on held-out ones.
     Beside it, at the digit, the policy's own surprise: the log-probability its prediction a token earlier gave it."""
-    def cuts(rng, n, problems=None):
+    def cuts(rng, n, drawn):
         out = []
         while len(out) < n:
-            p, nums = draw(rng) if problems is None else (lambda q: (q, [int(x) for x in q["problem"][5:].split("+")]))(
-                rng.choice(problems))
+            p, nums = drawn(rng)
             if len(nums) < 2:
                 continue
             j = rng.randrange(len(nums) - 1)
@@ -333,8 +343,7 @@ def frozen_probe(model, where="digit", n_train=2000, n_test=500):
         return torch.stack(layers), torch.tensor(surprise)
 
     model.eval()
-    train = cuts(random.Random(7), n_train)
-    test = cuts(random.Random(8), n_test, [q for q in tiny_dataset("test") if q["difficulty"] >= 2])
+    train, test = cuts(random.Random(7), n_train, draw), cuts(random.Random(8), n_test, draw_held_out)
     (xa, sa), (xb, sb) = features(train), features(test)
     ya, yb = torch.tensor([y for _, y in train]), torch.tensor([y for _, y in test])
     report = {}
@@ -362,10 +371,9 @@ def frozen_probe(model, where="digit", n_train=2000, n_test=500):
 
 def says_wait(model, n=200):
     """How often the greedy policy writes `wait` right after a wrong line, and after a right one (held-out)."""
-    rng, pool, ctx, wrong = random.Random(9), [q for q in tiny_dataset("test") if q["difficulty"] >= 2], [], []
+    rng, ctx, wrong = random.Random(9), [], []
     while len(ctx) < n:
-        p = rng.choice(pool)
-        nums = [int(x) for x in p["problem"][5:].split("+")]
+        p, nums = draw_held_out(rng)
         j, d = rng.randrange(len(nums) - 1), rng.choice([-10, -1, 1, 10])
         for lines, bad in ((running_lines(nums), False), (running_lines(nums, j, lambda v, d=d: v + d), True)):
             ctx.append(chat(p["problem"]) + enc("\n".join(lines[: j + 1]) + "\n"))
