@@ -4,9 +4,11 @@
     python benchmarks/critic_probe.py --grow 4 --cycle c --steps 1000 --eval-every 250  # attempt B: 8 layers
     python benchmarks/critic_probe.py --cycle c --pair-frac 1.0 --ref-prob 0.5 --flag-weight 1.0 \
         --schedule constant --steps 600 --eval-every 150                                # attempt E: a dense label
+    python benchmarks/critic_probe.py --requote --requote-lm --cycle c --pair-frac 1.0 --ref-prob 1.0 \
+        --flag-weight 1.0 --ref-flags --schedule constant --steps 900 --eval-every 150  # attempt H4: a repeat
     python benchmarks/critic_probe.py --baselines --pair-frac 1.0 --ref-prob 0.5  # what no skill scores (E's mix)
     python benchmarks/critic_probe.py --frozen-probe --steps 0   # which layer holds "this sum is wrong" (none)
-    (every attempt's command, A-G, and what it reached: docs/ac2.md, "Can the tiny critic learn to judge?")
+    (every attempt's command, A-H6, and what it reached: docs/ac2.md, "Can the tiny critic learn to judge?")
 
 Fine-tunes the shipped tiny model (or `--init scratch`, or the shipped model with `--grow N` decoder layers appended
 whose output projections start at zero, so the function is unchanged at step 0) on batches of the warm start's
@@ -14,6 +16,11 @@ kinds: `s` solve (the policy's own traces), `c` critic (AC2's `critic_context` w
 prompt, `--ref-prob`; a share `--pair-frac` of them as sibling pairs: a right prefix and the same with one running
 sum off by +-1 or +-10, later lines continuing from it, cut at the same place), `p` packed (CCR's prompts). The label
 is the warm start's: 0 once the attempt has left every correct trace, else 0.8^(lines left), rounded to a tenth.
+Training-only linear probes add dense labels (never saved: the critic stays the plain model): `--flag-weight` "has
+the attempt gone wrong by here", on the attempt's tokens or (`--ref-flags`) on the reference's; `--copy-weight`
+"which token does the attempt have here", on the reference's. `--requote` quotes the attempt again after the
+reference in the tiny critic prompt (a format change, for the probe only), and `--requote-lm` adds next-token loss
+on that quote.
 
 Every `--eval-every` steps it prints, on held-out problems (the test split), how often the right prefix of a pair is
 valued higher than the wrong one when read greedily (a tie fails): off by +-1/+-10 on the last line, on an earlier
@@ -60,10 +67,17 @@ def chat(user):
                add_special_tokens=False)["input_ids"]
 
 
+REQUOTE = "\nAttempt:\n"
+FORMAT = {"requote": False}
+
+
 def critic_ids(problem, attempt_text, reference_text):
-    """Exactly ac2.critic_context with the tiny instruction."""
+    """Exactly ac2.critic_context with the tiny instruction; with `--requote` the attempt is quoted again after the
+    reference (`Attempt:`), so that a right attempt repeats the reference's beginning token for token."""
     args = ac2.tiny_args()
     attempt = TOK(attempt_text, add_special_tokens=False)["input_ids"]
+    if FORMAT["requote"] and reference_text is not None:
+        reference_text = reference_text + REQUOTE + attempt_text
     return ac2.critic_context(chat(problem), attempt, reference_text, TOK, args)
 
 
@@ -233,10 +247,53 @@ def wait_trace(nums, rng, slip_rate):
     return "\n".join(lines) + "\n</think>\n\n\\boxed{" + str(total) + "}"
 
 
+def reference_start(ctx):
+    """Where the reference's tokens begin in a critic context."""
+    marker = enc(" Reference:\n")
+    return next(i + len(marker) for i in range(len(ctx)) if ctx[i:i + len(marker)] == marker)
+
+
+def reference_flags(ctx, attempt, ref):
+    """(position in the critic context, 1 if the attempt has, within its first j+1 tokens, differed from the
+    reference's) for each reference token j: the dense labels of `--ref-flags`. Unlike `attempt_flags` they sit
+    where the comparison can be made, after both texts; past the attempt's end the verdict carries on. With
+    `--requote` they sit on the quoted attempt's tokens instead."""
+    a, r = enc(attempt), enc(ref)
+    start = reference_start(ctx)
+    assert ctx[start:start + len(r)] == r
+    out, diverged = [], False
+    if FORMAT["requote"]:  # on the quoted attempt's tokens: has it, by this token, differed from the reference?
+        start += len(r) + len(enc(REQUOTE))
+        assert ctx[start:start + len(a)] == a
+        for j, t in enumerate(a):
+            diverged = diverged or j >= len(r) or r[j] != t
+            out.append((start + j, float(diverged)))
+        return out
+    for j, t in enumerate(r):
+        diverged = diverged or (j < len(a) and a[j] != t)
+        out.append((start + j, float(diverged)))
+    return out
+
+
+def copy_targets(ctx, attempt, ref):
+    """(position of reference token j, the attempt's token j) while the attempt lasts: `--copy-weight`'s labels,
+    what the lookup behind the comparison must fetch."""
+    a, start = enc(attempt), reference_start(ctx)
+    return [(start + j, a[j]) for j in range(min(len(a), len(enc(ref))))]
+
+
 def critic_example(p, nums, attempt, ref, a):
     ctx = critic_ids(p["problem"], attempt, ref)
-    flags = attempt_flags(p["problem"], attempt, nums) if a.flag_weight else []
-    return ctx + enc(VALUE_STRINGS[value_of(attempt, nums, a.label_rate)]) + [EOS], len(ctx), flags
+    if a.ref_flags:
+        flags = reference_flags(ctx, attempt, ref) if ref else []
+    else:
+        flags = attempt_flags(p["problem"], attempt, nums) if a.flag_weight else []
+    copies = copy_targets(ctx, attempt, ref) if a.copy_weight and ref else []
+    loss_from = len(ctx)
+    if a.requote_lm and ref:  # next-token loss on the quoted attempt too (from its second token), then the turn's
+        # end and the forced prefill: the quote is an exact repeat of the attempt, what copying attention learns from
+        loss_from = reference_start(ctx) + len(enc(ref)) + len(enc(REQUOTE)) + 1
+    return ctx + enc(VALUE_STRINGS[value_of(attempt, nums, a.label_rate)]) + [EOS], loss_from, flags, copies
 
 
 def pair_prefixes(nums, d, rng, max_line=None):
@@ -264,13 +321,13 @@ def example(kind, rng, a):
         ctx = chat(tiny_pack_prompt([p["problem"] for p, _ in pack]))
         checks = [rng.random() < 0.5 for _ in pack]
         resp = tiny_packed_solution([n for _, n in pack], rng, a.error_rate, checks)
-        return [(ctx + enc(resp) + [EOS], len(ctx), [])]
+        return [(ctx + enc(resp) + [EOS], len(ctx), [], [])]
     p, nums = draw(rng)
     check = rng.random() < 0.5
     if kind == "s":
         ctx = chat(p["problem"])
         text = wait_trace(nums, rng, a.error_rate) if a.wait else tiny_solution(nums, rng, a.error_rate, check)
-        return [(ctx + enc(text) + [EOS], len(ctx), [])]
+        return [(ctx + enc(text) + [EOS], len(ctx), [], [])]
     ref = tiny_solution(nums, check=rng.random() < 0.5) if rng.random() < a.ref_prob else None
     if rng.random() < a.pair_frac and len(nums) >= 2:
         max_line = a.pair_max_line if a.step < a.curriculum_steps else None
@@ -299,13 +356,23 @@ def baselines(a, n=3000):
                     total -= math.log(sum(len(o) > i and o[i] == t for o in alike) / len(alike))
                     count += 1
         out[name] = round(total / count, 4)
-    rng, ys = random.Random(5), []
+    rng, ys, by_offset = random.Random(5), [], {}
     a.flag_weight, a.step = 1.0, 0
     for _ in range(400):
-        ys += [y for ex in example("c", rng, a) for _, y in ex[2]]
+        for ex in example("c", rng, a):
+            for pos, y in ex[2]:
+                ys.append(y)
+                by_offset.setdefault(pos - ex[2][0][0], []).append(y)
+
+    def entropy(q):
+        return 0.0 if q in (0.0, 1.0) else -(q * math.log(q) + (1 - q) * math.log(1 - q))
+
     rate = sum(ys) / len(ys)
     out["flag_rate"] = round(rate, 3)
-    out["flag_loss_constant"] = round(-(rate * math.log(rate) + (1 - rate) * math.log(1 - rate)), 4)
+    out["flag_loss_constant"] = round(entropy(rate), 4)
+    # a guess that knows only how far into the labelled text the token is: what position alone tells
+    out["flag_loss_position_only"] = round(sum(len(v) * entropy(sum(v) / len(v)) for v in by_offset.values())
+                                           / len(ys), 4)
     print(json.dumps(out))
 
 
@@ -383,6 +450,32 @@ def says_wait(model, n=200):
                       "after_a_right_line": sum(s for s, b in zip(said, wrong) if not b), "pairs": n // 2}), flush=True)
 
 
+@torch.no_grad()
+def mc_pairs(model, pair_sets, k, seed=0):
+    """What Monte-Carlo labels would say about the probe's pairs: the policy's success rate over k samples at T = 1
+    (max 200 new tokens, as the evaluation samples) from each prefix, right and wrong, in the plain solving context."""
+    torch.manual_seed(seed)
+    model.eval()
+    answers = {p["problem"]: p["answer"] for p in tiny_dataset("test")}
+    report = {}
+    for name in ("last", "earlier"):
+        rates = {"right": [], "wrong": []}
+        for prob, r, w, _ in pair_sets[name]:
+            for side, prefix in (("right", r), ("wrong", w)):
+                ids = torch.tensor([chat(prob) + enc(prefix)] * k)
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                     temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=200,
+                                     pad_token_id=TOK.pad_token_id, eos_token_id=EOS)
+                texts = [prefix + TOK.decode(o[ids.shape[1]:], skip_special_tokens=True) for o in out]
+                rates[side].append(sum(tiny_reward(t, answers[prob]) for t in texts) / k)
+        n = len(rates["right"])
+        report[f"pm1_10_{name}"] = {
+            "mean_right": round(sum(rates["right"]) / n, 3), "mean_wrong": round(sum(rates["wrong"]) / n, 3),
+            "wrong_ever_right": sum(x > 0 for x in rates["wrong"]),
+            "right_higher": sum(x > y for x, y in zip(rates["right"], rates["wrong"])), "pairs": n}
+    print(json.dumps({"mc_samples_per_prefix": k, **report}), flush=True)
+
+
 def batch_of(kind, rng, a):
     n = a.solve_batch if kind == "s" else a.batch
     out = []
@@ -449,6 +542,17 @@ def main():
     ap.add_argument("--flag-weight", type=float, default=0.0,
                     help="weight of a dense auxiliary loss: at every attempt token of a critic example, a linear probe "
                          "on --flag-layer's output predicts whether the attempt has left every correct trace")
+    ap.add_argument("--ref-flags", action="store_true",
+                    help="with --flag-weight: the probe's labels sit on the reference's tokens instead (has the "
+                         "attempt, up to this token, differed from the reference?), where the comparison is possible")
+    ap.add_argument("--requote", action="store_true",
+                    help="the tiny critic prompt quotes the attempt again after the reference (a format change)")
+    ap.add_argument("--requote-lm", action="store_true",
+                    help="with --requote: next-token loss on the quoted attempt as well (a curriculum for copying)")
+    ap.add_argument("--copy-weight", type=float, default=0.0,
+                    help="weight of a dense auxiliary loss: at reference token j, a linear probe on --copy-layer's "
+                         "output names the attempt's token j (the lookup the comparison needs)")
+    ap.add_argument("--copy-layer", type=int, default=-2, help="the probed layer output (negative: from the top)")
     ap.add_argument("--flag-layer", type=int, default=-1, help="the probed layer output (negative: from the top)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
@@ -459,8 +563,12 @@ def main():
                          "training and after it (--steps 0: before only)")
     ap.add_argument("--wait", action="store_true",
                     help="solve traces notice every slip: a 'wait: ' line with the right sum follows it")
+    ap.add_argument("--mc-pairs", type=int, default=0,
+                    help="print the policy's Monte-Carlo success from each pair's two prefixes (this many samples "
+                         "each) and exit: what Monte-Carlo labels would be")
     ap.add_argument("--baselines", action="store_true", help="print what no skill scores (the losses above) and exit")
     a = ap.parse_args()
+    FORMAT["requote"] = a.requote
     if a.baselines:
         return baselines(a)
     torch.set_num_threads(2)
@@ -487,10 +595,16 @@ def main():
     rng = random.Random(a.seed)
     pair_sets = {"last": make_pairs("pm1_10", 100, 1, "last"), "earlier": make_pairs("pm1_10", 100, 2, "earlier"),
                  "new": make_pairs("pm2_5_20", 100, 3, "last"), "first": make_pairs("pm1_10", 100, 4, "first")}
+    if a.mc_pairs:
+        return mc_pairs(model, pair_sets, a.mc_pairs)
     if a.flag_layer < 0:
         a.flag_layer += len(model.model.layers)  # hidden_states[i] is the output of layer i (0: the embeddings)
+    if a.copy_layer < 0:
+        a.copy_layer += len(model.model.layers)
     probe = torch.nn.Linear(model.config.hidden_size, 1)  # training only: never saved, never read by the critic
-    opt = torch.optim.AdamW([*model.parameters(), *probe.parameters()], lr=a.lr, weight_decay=a.wd)
+    copy_probe = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size)  # the same
+    opt = torch.optim.AdamW([*model.parameters(), *probe.parameters(), *copy_probe.parameters()], lr=a.lr,
+                            weight_decay=a.wd)
 
     def lr_factor(s):  # warm-up, then cosine (or constant)
         if a.schedule != "cosine":
@@ -500,20 +614,26 @@ def main():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     t0 = time.time()
     evaluate(model, 0, pair_sets, a, t0)
-    losses, flag_losses = [], []
+    losses, flag_losses, copy_losses = [], [], []
     for step in range(a.steps):
         a.step = step
         b = batch_of(a.cycle[step % len(a.cycle)], rng, a)
-        width = max(len(x) for x, _, _ in b)
+        width = max(len(x) for x, *_ in b)
         ids = torch.full((len(b), width), TOK.pad_token_id)
         labels = torch.full((len(b), width), -100)
-        for r, (x, n, _) in enumerate(b):
+        for r, (x, n, *_) in enumerate(b):
             ids[r, : len(x)] = torch.tensor(x)
             labels[r, n: len(x)] = torch.tensor(x[n:])
         model.train()
-        out = model(input_ids=ids, labels=labels, output_hidden_states=bool(a.flag_weight))
+        out = model(input_ids=ids, labels=labels, output_hidden_states=bool(a.flag_weight or a.copy_weight))
         loss = out.loss
-        flags = [(r, pos, y) for r, (_, _, f) in enumerate(b) for pos, y in f]
+        copies = [(r, pos, y) for r, (*_, c) in enumerate(b) for pos, y in c]
+        if copies:  # the lookup alone: at reference token j, a linear probe names the attempt's token j
+            rows, cols, ys = (torch.tensor(v) for v in zip(*copies))
+            copy_loss = torch.nn.functional.cross_entropy(copy_probe(out.hidden_states[a.copy_layer][rows, cols]), ys)
+            copy_losses.append(copy_loss.item())
+            loss = loss + a.copy_weight * copy_loss
+        flags = [(r, pos, y) for r, (_, _, f, _) in enumerate(b) for pos, y in f]
         if flags:  # the dense auxiliary loss: a linear probe reads "left every correct trace" at each attempt token
             rows, cols, ys = (torch.tensor(v) for v in zip(*flags))
             logit = probe(out.hidden_states[a.flag_layer][rows, cols]).squeeze(-1)
@@ -528,6 +648,7 @@ def main():
         losses.append(out.loss.item())  # the value tokens (and any solve / packed tokens) only
         if (step + 1) % 50 == 0:
             flag = f" flag loss {sum(flag_losses[-50:]) / len(flag_losses[-50:]):.4f}" if flag_losses else ""
+            flag += f" copy loss {sum(copy_losses[-50:]) / len(copy_losses[-50:]):.4f}" if copy_losses else ""
             print(f"step {step + 1} loss {sum(losses[-50:]) / 50:.4f}{flag} {time.time() - t0:.0f}s", flush=True)
         if (step + 1) % a.eval_every == 0:
             evaluate(model, step + 1, pair_sets, a, t0)

@@ -79,3 +79,25 @@ def test_the_probes_dense_label_turns_on_at_the_first_wrong_digit_and_stays_on()
     assert all(y == 0.0 for _, y in critic_probe.attempt_flags(problem, right, nums))
     # the check: copy is a correct trace too
     assert all(y == 0.0 for _, y in critic_probe.attempt_flags(problem, "33+95=128\n128+46=174\ncheck:\n33+9", nums))
+
+
+def test_the_reference_side_label_sits_on_the_quoted_tokens_and_turns_on_where_the_texts_part():
+    # critic_probe.py --ref-flags: on each reference token j (or, with --requote, each token j of the attempt quoted
+    # again after it), 1 once the attempt has differed from the reference within its first j+1 tokens
+    import critic_probe
+
+    problem, ref = "Add: 33+95+46", tiny_solution([33, 95, 46])
+    wrong, right = "33+95=129\n129+46=175\n", "33+95=128\n"
+    part = wrong.index("9\n")  # the first token where the two texts differ (one token a character up to there)
+    try:
+        for requote in (False, True):
+            critic_probe.FORMAT["requote"] = requote
+            ctx = critic_probe.critic_ids(problem, wrong, ref)
+            flags = critic_probe.reference_flags(ctx, wrong, ref)
+            quoted = wrong if requote else ref  # the tokens the labels sit on
+            assert critic_probe.TOK.decode([ctx[pos] for pos, _ in flags]) == quoted
+            assert [y for _, y in flags] == [0.0] * part + [1.0] * (len(critic_probe.enc(quoted)) - part)
+            ctx = critic_probe.critic_ids(problem, right, ref)  # a right prefix never parts from the reference
+            assert all(y == 0.0 for _, y in critic_probe.reference_flags(ctx, right, ref))
+    finally:
+        critic_probe.FORMAT["requote"] = False
