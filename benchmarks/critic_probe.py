@@ -459,7 +459,7 @@ def mc_pairs(model, pair_sets, k, seed=0):
     answers = {p["problem"]: p["answer"] for p in tiny_dataset("test")}
     report = {}
     for name in ("last", "earlier"):
-        rates = {"right": [], "wrong": []}
+        rates, repaired = {"right": [], "wrong": []}, []
         for prob, r, w, _ in pair_sets[name]:
             for side, prefix in (("right", r), ("wrong", w)):
                 ids = torch.tensor([chat(prob) + enc(prefix)] * k)
@@ -467,11 +467,14 @@ def mc_pairs(model, pair_sets, k, seed=0):
                                      temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=200,
                                      pad_token_id=TOK.pad_token_id, eos_token_id=EOS)
                 texts = [prefix + TOK.decode(o[ids.shape[1]:], skip_special_tokens=True) for o in out]
-                rates[side].append(sum(tiny_reward(t, answers[prob]) for t in texts) / k)
+                wins = [t for t in texts if tiny_reward(t, answers[prob])]
+                rates[side].append(len(wins) / k)
+                repaired += ["check:" in t for t in wins] if side == "wrong" else []
         n = len(rates["right"])
         report[f"pm1_10_{name}"] = {
             "mean_right": round(sum(rates["right"]) / n, 3), "mean_wrong": round(sum(rates["wrong"]) / n, 3),
             "wrong_ever_right": sum(x > 0 for x in rates["wrong"]),
+            "wrong_wins_through_check": f"{sum(repaired)} of {len(repaired)}",  # the check: pass re-adds the terms
             "right_higher": sum(x > y for x, y in zip(rates["right"], rates["wrong"])), "pairs": n}
     print(json.dumps({"mc_samples_per_prefix": k, **report}), flush=True)
 
