@@ -284,10 +284,12 @@ def copy_targets(ctx, attempt, ref):
 
 def critic_example(p, nums, attempt, ref, a):
     ctx = critic_ids(p["problem"], attempt, ref)
-    if a.ref_flags:
+    if not a.flag_weight:
+        flags = []
+    elif a.ref_flags:
         flags = reference_flags(ctx, attempt, ref) if ref else []
     else:
-        flags = attempt_flags(p["problem"], attempt, nums) if a.flag_weight else []
+        flags = attempt_flags(p["problem"], attempt, nums)
     copies = copy_targets(ctx, attempt, ref) if a.copy_weight and ref else []
     loss_from = len(ctx)
     if a.requote_lm and ref:  # next-token loss on the quoted attempt too (from its second token), then the turn's
