@@ -101,3 +101,31 @@ def test_the_reference_side_label_sits_on_the_quoted_tokens_and_turns_on_where_t
             assert all(y == 0.0 for _, y in critic_probe.reference_flags(ctx, right, ref))
     finally:
         critic_probe.FORMAT["requote"] = False
+
+
+def test_compare_skill_labels_turn_on_where_the_attempt_parts_from_the_reference_in_either_order():
+    # benchmarks/compare_skill.py: the bare comparison, labels on the second text's tokens
+    import compare_skill
+
+    ref = tiny_solution([33, 95, 46])  # "33+95=128\n128+46=174\n</think>..."
+    wrong, right = "33+95=129\n129+46=175\n", "33+95=128\n128+4"
+    part = wrong.index("9\n")  # one token a character up to there
+    ids, labels = compare_skill.example(wrong, ref, "ref-first")
+    assert compare_skill.TOK.decode([ids[pos] for pos, _ in labels]) == wrong  # on the attempt, after the reference
+    assert compare_skill.TOK.decode(ids[: labels[0][0]]) == "R:" + ref + "\nQ:"
+    assert [y for _, y in labels] == [0.0] * part + [1.0] * (len(wrong) - part)
+    ids, labels = compare_skill.example(wrong, ref, "attempt-first")  # AC2's order: on the reference, verdict carried
+    assert compare_skill.TOK.decode([ids[pos] for pos, _ in labels]) == ref
+    n_ref = len(compare_skill.enc(ref))
+    assert [y for _, y in labels] == [0.0] * part + [1.0] * (n_ref - part)
+    ids, labels = compare_skill.example(wrong, ref, "ref-first", clutter=True)
+    assert compare_skill.TOK.decode(ids[: labels[0][0]]) == "A:" + wrong + "\nR:" + ref + "\nQ:"
+    for order in ("ref-first", "attempt-first"):  # a right prefix never departs
+        assert all(y == 0.0 for _, y in compare_skill.example(right, ref, order)[1])
+    # an attempt running past the reference's end has departed (ref-first); past the attempt's end nothing new is
+    # compared (attempt-first)
+    cut = "33+95=129"  # parts at its very last token
+    assert [y for _, y in compare_skill.example(cut, ref, "attempt-first")[1]][len(cut) - 2:len(cut) + 1] == [0, 1, 1]
+    long = ref + "x"
+    assert compare_skill.example(long, ref, "ref-first")[1][-1][1] == 1.0
+    assert compare_skill.example(long, ref, "ref-first")[1][-2][1] == 0.0
