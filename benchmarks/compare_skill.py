@@ -32,20 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from critic_pairs import running_lines
+from critic_probe import HELD_OUT, TOK, enc, terms
 
-from common.tiny import RECIPE, build_tokenizer, tiny_dataset, tiny_problem, tiny_solution
-
-TOK = build_tokenizer()
-HELD_OUT = tiny_dataset("test")
-HELD_OUT_SET = {p["problem"] for p in HELD_OUT}
-
-
-def enc(text):
-    return TOK(text, add_special_tokens=False)["input_ids"]
-
-
-def terms(p):
-    return [int(x) for x in p["problem"][len("Add: "):].split("+")]
+from common.tiny import RECIPE, tiny_dataset, tiny_problem, tiny_solution
 
 
 def sibling_pair(nums, rng, position="any"):
@@ -92,7 +81,7 @@ def train_example(rng, max_terms, order, clutter):
     while True:
         p = tiny_problem(rng)
         nums = terms(p)
-        if p["problem"] not in HELD_OUT_SET and len(nums) <= max_terms:
+        if p["problem"] not in HELD_OUT and len(nums) <= max_terms:
             break
     reference = tiny_solution(nums, check=rng.random() < 0.5)
     right, wrong = sibling_pair(nums, rng)
@@ -101,7 +90,7 @@ def train_example(rng, max_terms, order, clutter):
 
 def held_out_pairs(position, n=100, seed=1):
     rng = random.Random(seed)
-    pool = [p for p in HELD_OUT if p["difficulty"] >= 3]
+    pool = [p for p in tiny_dataset("test") if p["difficulty"] >= 3]
     out = []
     for _ in range(n):
         nums = terms(rng.choice(pool))
