@@ -207,6 +207,10 @@ class Args:
     """critic gradient clipping norm"""
     short_critic_instruction: bool = False
     """replace the paper's critic instruction by a few words (for the tiny model, whose contexts are characters)"""
+    critic_reference_first: bool = False
+    """write the reference into the problem's turn, before the attempt, instead of after the attempt in the critic's
+    instruction (project choice; the paper appends it: a tiny model learns the comparison only in this order,
+    docs/ac2.md)"""
     probe_without_reference: bool = True
     """also probe every referenced prefix without its reference, to log critic MAE with vs without (diagnostic)"""
 
@@ -774,10 +778,15 @@ def ppo_loss(logp, old_logp, adv, clip_low: float, clip_high: float, dual_clip: 
 # ----------------------------------------------------------------------------------------------------
 def critic_context(prompt_ids: list[int], attempt_ids: list[int], reference: str | None, tok, args: Args) -> list[int]:
     """Problem prompt + attempt + `</think>` (only if the attempt has none) + the instruction as a new user
-    turn + the forced assistant prefill ending in `Q value: `; the critic then writes the number."""
+    turn + the forced assistant prefill ending in `Q value: `; the critic then writes the number. With
+    `--critic-reference-first` the reference closes the problem's turn instead of following the instruction."""
     think_end = tok.convert_tokens_to_ids("</think>")
     instruction, ref_text = ((TINY_CRITIC_INSTRUCTION, TINY_CRITIC_REFERENCE) if args.short_critic_instruction
                              else (CRITIC_INSTRUCTION, CRITIC_REFERENCE))
+    if reference and args.critic_reference_first:  # project choice: the reference ends the problem's user turn
+        end = len(prompt_ids) - 1 - prompt_ids[::-1].index(tok.convert_tokens_to_ids("<|im_end|>"))
+        ref_ids = tok(ref_text.format(reference_proof=reference), add_special_tokens=False)["input_ids"]
+        prompt_ids, reference = prompt_ids[:end] + ref_ids + prompt_ids[end:], None
     text = instruction.format(reference=ref_text.format(reference_proof=reference) if reference else "")
     tail = f"<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n{CRITIC_PREFILL}"
     close = [] if think_end in attempt_ids else [think_end]

@@ -4,6 +4,8 @@
     python benchmarks/compare_skill.py --order ref-first --steps 600                         # reference first
     python benchmarks/compare_skill.py --order ref-first --steps 1200 --short-steps 600      # + short problems first
     python benchmarks/compare_skill.py --order ref-first --clutter --steps 1200 --short-steps 600  # + a decoy copy
+    python benchmarks/compare_skill.py --order ref-first --probe-layer 3 --steps 1200 --short-steps 600  # 3 layers
+    python benchmarks/compare_skill.py --order critic --probe-layer 3 --steps 1200 --short-steps 600  # AC2's prompt
     (what each reached: docs/ac2.md, "Can the tiny critic learn to judge?", attempt I)
 
 No chat, no problem, no value, no arithmetic: a fresh model of the tiny model's shape (common/tiny.py's recipe:
@@ -14,6 +16,8 @@ attempt has, by there, departed from the reference. In AC2's prompt the attempt 
 attempt-first`): the labels sit on the reference's tokens, as critic_probe.py's `--ref-flags`. With `--order
 ref-first` the reference comes first and the labels sit on the attempt's tokens; `--clutter` writes the attempt once
 more before the reference, as `critic_probe.py --requote` has it (the copy a lookup can take that carries no verdict).
+`--order critic` wraps them in the whole of AC2's tiny critic prompt with `--critic-reference-first` (chat, the
+problem and the reference in its turn, the attempt, the instruction), labels as ref-first's.
 `--short-steps N`: for the first N steps problems have 2-3 terms only (1-2 lines to compare), then 2-6 again.
 
 Every `--eval-every` steps: the probe's loss and accuracy on the batch (fresh problems each step) beside the
@@ -32,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from critic_pairs import running_lines
-from critic_probe import HELD_OUT, TOK, enc, terms
+from critic_probe import FORMAT, HELD_OUT, TOK, attempt_start, critic_ids, enc, terms
 
 from common.tiny import RECIPE, tiny_dataset, tiny_problem, tiny_solution
 
@@ -53,7 +57,7 @@ def sibling_pair(nums, rng, position="any"):
     return r, w
 
 
-def example(attempt, reference, order, clutter=False):
+def example(attempt, reference, order, clutter=False, nums=None):
     """(token ids, [(position, label)]): label 1 once the attempt has departed from the reference.
 
     attempt-first (AC2's order): `A:attempt\\nR:reference\\nQ:`, a label at reference token j: do the attempt's first
@@ -62,6 +66,14 @@ def example(attempt, reference, order, clutter=False):
     first j+1 tokens differ from the reference's (or run past its end)?"""
     a, r = enc(attempt), enc(reference)
     labels, departed = [], False
+    if order == "critic":  # the whole of ac2.critic_context with --critic-reference-first, labels as ref-first's
+        FORMAT["ref_first"] = True
+        ids = critic_ids("Add: " + "+".join(map(str, nums)), attempt, reference)
+        start = attempt_start(ids)
+        for j, t in enumerate(a):
+            departed = departed or j >= len(r) or r[j] != t
+            labels.append((start + j, float(departed)))
+        return ids, labels
     if order == "attempt-first":
         ids = enc("A:" + attempt + "\nR:")
         start = len(ids)
@@ -85,7 +97,7 @@ def train_example(rng, max_terms, order, clutter):
             break
     reference = tiny_solution(nums, check=rng.random() < 0.5)
     right, wrong = sibling_pair(nums, rng)
-    return example(wrong if rng.random() < 0.5 else right, reference, order, clutter)
+    return example(wrong if rng.random() < 0.5 else right, reference, order, clutter, nums)
 
 
 def held_out_pairs(position, n=100, seed=1):
@@ -94,17 +106,17 @@ def held_out_pairs(position, n=100, seed=1):
     out = []
     for _ in range(n):
         nums = terms(rng.choice(pool))
-        out.append((*sibling_pair(nums, rng, position), tiny_solution(nums, check=rng.random() < 0.5)))
+        out.append((*sibling_pair(nums, rng, position), tiny_solution(nums, check=rng.random() < 0.5), nums))
     return out
 
 
-def run_model(model, probe, batch):
+def run_model(model, probe, batch, layer=-1):
     width = max(len(ids) for ids, _ in batch)
     ids = torch.full((len(batch), width), TOK.pad_token_id)  # right padding: causal attention never sees it
     for i, (x, _) in enumerate(batch):
         ids[i, : len(x)] = torch.tensor(x)
     rows, cols, ys = zip(*[(i, pos, y) for i, (_, lab) in enumerate(batch) for pos, y in lab])
-    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[layer]
     return probe(hidden[list(rows), list(cols)]).squeeze(-1), torch.tensor(ys), list(rows)
 
 
@@ -112,8 +124,9 @@ def run_model(model, probe, batch):
 def pairs_right(model, probe, pairs, a):
     """Pairs whose wrong attempt gets the higher 'departed' logit at its last labelled token (a tie fails)."""
     model.eval()
-    batch = [example(att, ref, a.order, a.clutter) for right, wrong, ref in pairs for att in (right, wrong)]
-    logits, _, rows = run_model(model, probe, batch)
+    batch = [example(att, ref, a.order, a.clutter, nums) for right, wrong, ref, nums in pairs
+             for att in (right, wrong)]
+    logits, _, rows = run_model(model, probe, batch, a.probe_layer)
     last = {}
     for k, r in enumerate(rows):
         last[r] = logits[k].item()
@@ -123,7 +136,7 @@ def pairs_right(model, probe, pairs, a):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--order", choices=["attempt-first", "ref-first"], default="attempt-first")
+    ap.add_argument("--order", choices=["attempt-first", "ref-first", "critic"], default="attempt-first")
     ap.add_argument("--clutter", action="store_true", help="ref-first: the attempt also before the reference")
     ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--short-steps", type=int, default=0, help="first steps on 2-3-term problems only")
@@ -133,6 +146,9 @@ def main():
     ap.add_argument("--heads", type=int, default=RECIPE.num_heads)
     ap.add_argument("--layers", type=int, default=RECIPE.num_layers)
     ap.add_argument("--inter", type=int, default=RECIPE.intermediate_size)
+    ap.add_argument("--probe-layer", type=int, default=-1,
+                    help="the probed hidden state: -1 the last layer's (normed) output, 3 the third layer's, 0 the "
+                         "embeddings (AC2's critic must read the verdict from a layer below its last)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
@@ -155,7 +171,7 @@ def main():
     for step in range(a.steps):
         max_terms = 3 if step < a.short_steps else 6
         logits, ys, _ = run_model(model, probe, [train_example(rng, max_terms, a.order, a.clutter)
-                                                 for _ in range(a.batch)])
+                                                 for _ in range(a.batch)], a.probe_layer)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, ys)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -2,6 +2,7 @@
 
     python benchmarks/critic_pairs.py                              # the tiny model AC2 uses (ac2.py --tiny)
     python benchmarks/critic_pairs.py --model checkpoints/<run>/step_50/policy --pairs 200
+    python benchmarks/critic_pairs.py --model <folder> --critic-reference-first   # the reference before the attempt
 
 Each pair is one held-out problem (the test split: never in the warm start, never trained on) with two attempts
 cut at the same place: the right running sums, and the same with one sum wrong (the lines after it continue
@@ -106,9 +107,12 @@ def main():
     ap.add_argument("--model", default=None, help="a model folder (default: the model ac2.py --tiny uses)")
     ap.add_argument("--pairs", type=int, default=120, help="pairs per set")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--critic-reference-first", action="store_true",
+                    help="ac2.py's flag: the reference closes the problem's turn, before the attempt")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "critic_pairs.json"))
     a = ap.parse_args()
     args = ac2.tiny_args()
+    args.critic_reference_first = a.critic_reference_first
     model = a.model or ac2.resolve_model(args.model)
     llm = engine.create_engine(model, max_model_len=1024, seed=a.seed)
     tok = build_tokenizer()
@@ -122,7 +126,8 @@ def main():
             "no reference: +-1/+-10, last line": ("seen: +-1/+-10", "last", False)}
     shown = Path(model).resolve()
     shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown
-    result = {"model": str(shown), "pairs_per_set": a.pairs, "sets": {}}
+    result = {"model": str(shown), "pairs_per_set": a.pairs, "critic_reference_first": a.critic_reference_first,
+              "sets": {}}
     for s, (name, (kind, where, with_reference)) in enumerate(sets.items()):
         pairs = make_pairs(kind, a.pairs, seed=1000 * a.seed + s, where=where)
         contexts = []

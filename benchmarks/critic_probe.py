@@ -6,9 +6,11 @@
         --schedule constant --steps 600 --eval-every 150                                # attempt E: a dense label
     python benchmarks/critic_probe.py --requote --requote-lm --cycle c --pair-frac 1.0 --ref-prob 1.0 \
         --flag-weight 1.0 --ref-flags --schedule constant --steps 900 --eval-every 150  # attempt H4: a repeat
+    python benchmarks/critic_probe.py --ref-first --cycle c --pair-frac 1.0 --ref-prob 1.0 --flag-weight 1.0 \
+        --short-steps 600 --schedule constant --steps 1200 --eval-every 300            # attempt J: reference first
     python benchmarks/critic_probe.py --baselines --pair-frac 1.0 --ref-prob 0.5  # what no skill scores (E's mix)
     python benchmarks/critic_probe.py --frozen-probe --steps 0   # which layer holds "this sum is wrong" (none)
-    (every attempt's command, A-H6, and what it reached: docs/ac2.md, "Can the tiny critic learn to judge?")
+    (every attempt's command, A-J, and what it reached: docs/ac2.md, "Can the tiny critic learn to judge?")
 
 Fine-tunes the shipped tiny model (or `--init scratch`, or the shipped model with `--grow N` decoder layers appended
 whose output projections start at zero, so the function is unchanged at step 0) on batches of the warm start's
@@ -20,7 +22,8 @@ Training-only linear probes add dense labels (never saved: the critic stays the 
 the attempt gone wrong by here", on the attempt's tokens or (`--ref-flags`) on the reference's; `--copy-weight`
 "which token does the attempt have here", on the reference's. `--requote` quotes the attempt again after the
 reference in the tiny critic prompt (a format change, for the probe only), and `--requote-lm` adds next-token loss
-on that quote.
+on that quote. `--ref-first` is ac2.py's `--critic-reference-first` (the reference closes the problem's turn, before
+the attempt); `--short-steps N` draws 2-3-term problems only for the first N steps (compare_skill.py's curriculum).
 
 Every `--eval-every` steps it prints, on held-out problems (the test split), how often the right prefix of a pair is
 valued higher than the wrong one when read greedily (a tie fails): off by +-1/+-10 on the last line, on an earlier
@@ -68,13 +71,14 @@ def chat(user):
 
 
 REQUOTE = "\nAttempt:\n"
-FORMAT = {"requote": False}
+FORMAT = {"requote": False, "ref_first": False}
 
 
 def critic_ids(problem, attempt_text, reference_text):
     """Exactly ac2.critic_context with the tiny instruction; with `--requote` the attempt is quoted again after the
     reference (`Attempt:`), so that a right attempt repeats the reference's beginning token for token."""
     args = ac2.tiny_args()
+    args.critic_reference_first = FORMAT["ref_first"]
     attempt = TOK(attempt_text, add_special_tokens=False)["input_ids"]
     if FORMAT["requote"] and reference_text is not None:
         reference_text = reference_text + REQUOTE + attempt_text
@@ -202,11 +206,11 @@ def draw_held_out(rng):
     return p, terms(p)
 
 
-def draw(rng):
-    """A training problem (never one of the test split's) and its terms."""
+def draw(rng, max_terms=6):
+    """A training problem (never one of the test split's) with at most `max_terms` terms, and its terms."""
     while True:
         p = tiny_problem(rng)
-        if p["problem"] not in HELD_OUT:
+        if p["problem"] not in HELD_OUT and len(terms(p)) <= max_terms:
             return p, terms(p)
 
 
@@ -227,10 +231,18 @@ def value_of(attempt, nums, label_rate):
     return round(10 * (1 - label_rate) ** max(remaining, 0))
 
 
-def attempt_flags(problem, attempt, nums):
+def attempt_start(ctx):
+    """Where the attempt's tokens begin in a critic context: after the problem's turn (and, with `--ref-first`,
+    the reference that closes it)."""
+    marker = enc("<|im_start|>assistant\n<think>\n")
+    return next(i + len(marker) for i in range(len(ctx)) if ctx[i:i + len(marker)] == marker)
+
+
+def attempt_flags(ctx, attempt, nums):
     """(position in the critic context, 1 if the attempt up to that token has left every correct trace) for each
     attempt token: the dense labels of `--flag-weight`."""
-    start, ids = len(chat(problem)), enc(attempt)
+    start, ids = attempt_start(ctx), enc(attempt)
+    assert ctx[start:start + len(ids)] == ids
     return [(start + i, float(left_every_trace(TOK.decode(ids[: i + 1]), nums))) for i in range(len(ids))]
 
 
@@ -289,7 +301,7 @@ def critic_example(p, nums, attempt, ref, a):
     elif a.ref_flags:
         flags = reference_flags(ctx, attempt, ref) if ref else []
     else:
-        flags = attempt_flags(p["problem"], attempt, nums)
+        flags = attempt_flags(ctx, attempt, nums)
     copies = copy_targets(ctx, attempt, ref) if a.copy_weight and ref else []
     loss_from = len(ctx)
     if a.requote_lm and ref:  # next-token loss on the quoted attempt too (from its second token), then the turn's
@@ -324,7 +336,7 @@ def example(kind, rng, a):
         checks = [rng.random() < 0.5 for _ in pack]
         resp = tiny_packed_solution([n for _, n in pack], rng, a.error_rate, checks)
         return [(ctx + enc(resp) + [EOS], len(ctx), [], [])]
-    p, nums = draw(rng)
+    p, nums = draw(rng, 3 if a.step < a.short_steps else 6)
     check = rng.random() < 0.5
     if kind == "s":
         ctx = chat(p["problem"])
@@ -552,6 +564,10 @@ def main():
                          "attempt, up to this token, differed from the reference?), where the comparison is possible")
     ap.add_argument("--requote", action="store_true",
                     help="the tiny critic prompt quotes the attempt again after the reference (a format change)")
+    ap.add_argument("--ref-first", action="store_true",
+                    help="ac2's --critic-reference-first: the reference closes the problem's turn, before the attempt")
+    ap.add_argument("--short-steps", type=int, default=0,
+                    help="for the first this-many steps, problems have 2-3 terms only (then 2-6)")
     ap.add_argument("--requote-lm", action="store_true",
                     help="with --requote: next-token loss on the quoted attempt as well (a curriculum for copying)")
     ap.add_argument("--copy-weight", type=float, default=0.0,
@@ -573,7 +589,10 @@ def main():
                          "each) and exit: what Monte-Carlo labels would be")
     ap.add_argument("--baselines", action="store_true", help="print what no skill scores (the losses above) and exit")
     a = ap.parse_args()
-    FORMAT["requote"] = a.requote
+    if a.ref_first and (a.requote or a.ref_flags):
+        ap.error("--ref-first puts the reference before the attempt: --requote and --ref-flags assume it after")
+    FORMAT["requote"], FORMAT["ref_first"] = a.requote, a.ref_first
+    a.step = 0
     if a.baselines:
         return baselines(a)
     torch.set_num_threads(2)

@@ -208,6 +208,21 @@ def test_critic_context_and_target_tokens():
     assert tok.decode(ac2.critic_target(0.0, tok)) == "0<|im_end|>"
 
 
+def test_critic_reference_first_closes_the_problems_turn_and_leaves_the_instruction_without_it():
+    tok = build_tokenizer()
+    args = ac2.Args(short_critic_instruction=True, critic_reference_first=True)
+    prompt = tok("<|im_start|>user\nAdd: 1+2<|im_end|>\n<|im_start|>assistant\n<think>\n",
+                 add_special_tokens=False)["input_ids"]
+    attempt = tok("1+2=4\n", add_special_tokens=False)["input_ids"]
+    got = tok.decode(ac2.critic_context(prompt, attempt, "1+2=3", tok, args))
+    assert got == ("<|im_start|>user\nAdd: 1+2 Reference:\n1+2=3<|im_end|>\n<|im_start|>assistant\n<think>\n"
+                   "1+2=4\n</think><|im_end|>\n<|im_start|>user\nValue of this attempt?<|im_end|>\n"
+                   "<|im_start|>assistant\n<think>\n\n</think>\n\nQ value: ")
+    # without a reference it is the plain prompt, as with the flag off
+    assert ac2.critic_context(prompt, attempt, None, tok, args) == ac2.critic_context(
+        prompt, attempt, None, tok, ac2.Args(short_critic_instruction=True))
+
+
 def test_tiny_models_critic_warm_start_format_is_ac2s_short_critic_prompt():
     from common import tiny
 
