@@ -36,8 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from critic_pairs import running_lines
-from critic_probe import FORMAT, HELD_OUT, TOK, attempt_start, critic_ids, enc, terms
+from critic_probe import HELD_OUT, TOK, attempt_start, chat, enc, terms
 
+import ac2
 from common.tiny import RECIPE, tiny_dataset, tiny_problem, tiny_solution
 
 
@@ -67,8 +68,9 @@ def example(attempt, reference, order, clutter=False, nums=None):
     a, r = enc(attempt), enc(reference)
     labels, departed = [], False
     if order == "critic":  # the whole of ac2.critic_context with --critic-reference-first, labels as ref-first's
-        FORMAT["ref_first"] = True
-        ids = critic_ids("Add: " + "+".join(map(str, nums)), attempt, reference)
+        args = ac2.tiny_args()
+        args.critic_reference_first = True
+        ids = ac2.critic_context(chat("Add: " + "+".join(map(str, nums))), a, reference, TOK, args)
         start = attempt_start(ids)
         for j, t in enumerate(a):
             departed = departed or j >= len(r) or r[j] != t

@@ -163,6 +163,21 @@ def pair_report(model, pairs, with_reference=True):
             "mean_wrong": round(sum(x or 0 for x in wrong) / len(wrong), 3)}
 
 
+@torch.no_grad()
+def probe_pairs(model, probe, pairs, layer):
+    """Pairs whose wrong prefix gets the higher --flag-weight probe logit at its last attempt token (a tie fails):
+    whether the verdict has formed at the attempt, read where the probe reads it, beside the value's own pairs."""
+    model.eval()
+    right_wrong = []
+    for prob, r, w, ref in pairs:
+        for attempt in (r, w):
+            ctx = critic_ids(prob, attempt, ref)
+            last = attempt_start(ctx) + len(enc(attempt)) - 1
+            hidden = model(input_ids=torch.tensor([ctx]), output_hidden_states=True).hidden_states[layer]
+            right_wrong.append(probe(hidden[0, last]).item())
+    return sum(w > r for r, w in zip(right_wrong[0::2], right_wrong[1::2]))
+
+
 def policy_greedy_acc(model, n=64):
     test = tiny_dataset("test")[:n]
     texts = greedy_texts(model, [chat(p["problem"]) for p in test], 200, batch=32)
@@ -518,8 +533,11 @@ def grow(model, n):
     model.config.layer_types = ["full_attention"] * len(layers)
 
 
-def evaluate(model, step, pair_sets, a, t0):
+def evaluate(model, step, pair_sets, a, t0, probe=None):
     rep = {"step": step, "t": round(time.time() - t0)}
+    if a.flag_weight and not a.ref_flags and step:
+        rep["probe_last"] = probe_pairs(model, probe, pair_sets["last"], a.flag_layer)
+        rep["probe_earlier"] = probe_pairs(model, probe, pair_sets["earlier"], a.flag_layer)
     rep["pm1_10_last"] = pair_report(model, pair_sets["last"])
     rep["pm1_10_earlier"] = pair_report(model, pair_sets["earlier"])
     rep["pm1_10_first"] = pair_report(model, pair_sets["first"])
@@ -566,6 +584,9 @@ def main():
                     help="the tiny critic prompt quotes the attempt again after the reference (a format change)")
     ap.add_argument("--ref-first", action="store_true",
                     help="ac2's --critic-reference-first: the reference closes the problem's turn, before the attempt")
+    ap.add_argument("--value-from", type=int, default=0,
+                    help="the value's (and any solve / packed) loss counts from this step on; before it the dense "
+                         "labels alone train")
     ap.add_argument("--short-steps", type=int, default=0,
                     help="for the first this-many steps, problems have 2-3 terms only (then 2-6)")
     ap.add_argument("--requote-lm", action="store_true",
@@ -650,7 +671,7 @@ def main():
             labels[r, n: len(x)] = torch.tensor(x[n:])
         model.train()
         out = model(input_ids=ids, labels=labels, output_hidden_states=bool(a.flag_weight or a.copy_weight))
-        loss = out.loss
+        loss = out.loss * (step >= a.value_from)  # --value-from: the dense label alone first
         copies = [(r, pos, y) for r, (*_, c) in enumerate(b) for pos, y in c]
         if copies:  # the lookup alone: at reference token j, a linear probe names the attempt's token j
             rows, cols, ys = (torch.tensor(v) for v in zip(*copies))
@@ -675,7 +696,7 @@ def main():
             flag += f" copy loss {sum(copy_losses[-50:]) / len(copy_losses[-50:]):.4f}" if copy_losses else ""
             print(f"step {step + 1} loss {sum(losses[-50:]) / 50:.4f}{flag} {time.time() - t0:.0f}s", flush=True)
         if (step + 1) % a.eval_every == 0:
-            evaluate(model, step + 1, pair_sets, a, t0)
+            evaluate(model, step + 1, pair_sets, a, t0, probe)
     if a.wait:
         says_wait(model)
     if a.frozen_probe:

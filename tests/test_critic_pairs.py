@@ -65,20 +65,26 @@ def test_swapping_the_last_two_digits_always_changes_the_value():
 
 def test_the_probes_dense_label_turns_on_at_the_first_wrong_digit_and_stays_on():
     # critic_probe.py --flag-weight: 1 from the token where the attempt leaves every correct trace (with or without
-    # its `check:` copy), 0 before; positions count from the attempt's start in the critic context
+    # its `check:` copy), 0 before; on the attempt's tokens wherever the critic context puts them
     import critic_probe
 
     problem, nums = "Add: 33+95+46", [33, 95, 46]
     attempt = "33+95=129\n129+46=175"
-    flags = critic_probe.attempt_flags(problem, attempt, nums)
-    start = len(critic_probe.chat(problem))
-    assert [pos for pos, _ in flags] == list(range(start, start + len(attempt)))
     first_wrong = attempt.index("9\n")  # "33+95=12" is still on the right trace, its "9" is not
-    assert [y for _, y in flags] == [0.0] * first_wrong + [1.0] * (len(attempt) - first_wrong)
-    right = "33+95=128\n128+46=174\n</think>"
-    assert all(y == 0.0 for _, y in critic_probe.attempt_flags(problem, right, nums))
-    # the check: copy is a correct trace too
-    assert all(y == 0.0 for _, y in critic_probe.attempt_flags(problem, "33+95=128\n128+46=174\ncheck:\n33+9", nums))
+    try:
+        for ref_first, ref in ((False, None), (True, tiny_solution(nums))):
+            critic_probe.FORMAT["ref_first"] = ref_first
+            ctx = critic_probe.critic_ids(problem, attempt, ref)
+            flags = critic_probe.attempt_flags(ctx, attempt, nums)
+            start = len(critic_probe.chat(problem)) + (len(critic_probe.enc(" Reference:\n" + ref)) if ref else 0)
+            assert [pos for pos, _ in flags] == list(range(start, start + len(attempt)))
+            assert critic_probe.TOK.decode([ctx[pos] for pos, _ in flags]) == attempt
+            assert [y for _, y in flags] == [0.0] * first_wrong + [1.0] * (len(attempt) - first_wrong)
+        for right in ("33+95=128\n128+46=174\n</think>", "33+95=128\n128+46=174\ncheck:\n33+9"):  # check: too
+            ctx = critic_probe.critic_ids(problem, right, tiny_solution(nums))
+            assert all(y == 0.0 for _, y in critic_probe.attempt_flags(ctx, right, nums))
+    finally:
+        critic_probe.FORMAT["ref_first"] = False
 
 
 def test_the_reference_side_label_sits_on_the_quoted_tokens_and_turns_on_where_the_texts_part():
@@ -118,6 +124,11 @@ def test_compare_skill_labels_turn_on_where_the_attempt_parts_from_the_reference
     assert compare_skill.TOK.decode([ids[pos] for pos, _ in labels]) == ref
     n_ref = len(compare_skill.enc(ref))
     assert [y for _, y in labels] == [0.0] * part + [1.0] * (n_ref - part)
+    ids, labels = compare_skill.example(wrong, ref, "critic", nums=[33, 95, 46])  # in AC2's prompt, reference first
+    assert compare_skill.TOK.decode([ids[pos] for pos, _ in labels]) == wrong
+    assert compare_skill.TOK.decode(ids[: labels[0][0]]).endswith(
+        "Add: 33+95+46 Reference:\n" + ref + "<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert [y for _, y in labels] == [0.0] * part + [1.0] * (len(wrong) - part)
     ids, labels = compare_skill.example(wrong, ref, "ref-first", clutter=True)
     assert compare_skill.TOK.decode(ids[: labels[0][0]]) == "A:" + wrong + "\nR:" + ref + "\nQ:"
     for order in ("ref-first", "attempt-first"):  # a right prefix never departs
