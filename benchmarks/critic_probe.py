@@ -28,7 +28,10 @@ the attempt); `--short-steps N` draws 2-3-term problems only for the first N ste
 Every `--eval-every` steps it prints, on held-out problems (the test split), how often the right prefix of a pair is
 valued higher than the wrong one when read greedily (a tie fails): off by +-1/+-10 on the last line, on an earlier
 line, off by +-2/+-5/+-20 (a kind training never shows), without the reference; the same from the probability of
-"0" (`soft_*`: chance is 0.5); and the policy's greedy accuracy. The full diagnostic with vLLM, as AC2 reads the
+"0" (`soft_*`: chance is 0.5); with `--flag-weight` on the attempt's tokens, how often the wrong prefix gets the
+higher probe logit at its last token (`probe_*`, chance 50: whether the verdict has formed where the probe reads it,
+before the value reads it; `--value-from N` trains the dense label alone for the first N steps); and the policy's
+greedy accuracy. The full diagnostic with vLLM, as AC2 reads the
 critic, is benchmarks/critic_pairs.py (`--model <the --save folder>`).
 """
 
