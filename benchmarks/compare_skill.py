@@ -64,18 +64,10 @@ def example(attempt, reference, order, clutter=False, nums=None):
     attempt-first (AC2's order): `A:attempt\\nR:reference\\nQ:`, a label at reference token j: do the attempt's first
     j+1 tokens differ from the reference's (past the attempt's end the verdict carries on)?
     ref-first: `R:reference\\nQ:attempt` (with `clutter`, `A:attempt\\n` before it), a label at attempt token j: do its
-    first j+1 tokens differ from the reference's (or run past its end)?"""
+    first j+1 tokens differ from the reference's (or run past its end)?
+    critic: AC2's tiny critic prompt with the reference first (`nums`: the problem's terms), labels as ref-first's."""
     a, r = enc(attempt), enc(reference)
     labels, departed = [], False
-    if order == "critic":  # the whole of ac2.critic_context with --critic-reference-first, labels as ref-first's
-        args = ac2.tiny_args()
-        args.critic_reference_first = True
-        ids = ac2.critic_context(chat("Add: " + "+".join(map(str, nums))), a, reference, TOK, args)
-        start = attempt_start(ids)
-        for j, t in enumerate(a):
-            departed = departed or j >= len(r) or r[j] != t
-            labels.append((start + j, float(departed)))
-        return ids, labels
     if order == "attempt-first":
         ids = enc("A:" + attempt + "\nR:")
         start = len(ids)
@@ -83,12 +75,19 @@ def example(attempt, reference, order, clutter=False, nums=None):
             departed = departed or (j < len(a) and a[j] != t)
             labels.append((start + j, float(departed)))
         return ids + r + enc("\nQ:"), labels
-    ids = enc(("A:" + attempt + "\n" if clutter else "") + "R:" + reference + "\nQ:")
-    start = len(ids)
+    if order == "critic":  # the whole of ac2.critic_context with --critic-reference-first, labels as ref-first's
+        args = ac2.tiny_args()
+        args.critic_reference_first = True
+        ids = ac2.critic_context(chat("Add: " + "+".join(map(str, nums))), a, reference, TOK, args)
+        start = attempt_start(ids)
+    else:
+        ids = enc(("A:" + attempt + "\n" if clutter else "") + "R:" + reference + "\nQ:")
+        start = len(ids)
+        ids = ids + a
     for j, t in enumerate(a):
         departed = departed or j >= len(r) or r[j] != t
         labels.append((start + j, float(departed)))
-    return ids + a, labels
+    return ids, labels
 
 
 def train_example(rng, max_terms, order, clutter):
