@@ -8,6 +8,8 @@
         --flag-weight 1.0 --ref-flags --schedule constant --steps 900 --eval-every 150  # attempt H4: a repeat
     python benchmarks/critic_probe.py --ref-first --cycle c --pair-frac 1.0 --ref-prob 1.0 --flag-weight 1.0 \
         --short-steps 600 --schedule constant --steps 1200 --eval-every 300            # attempt J: reference first
+    python benchmarks/critic_probe.py --init scratch --ref-first --cycle c --pair-frac 1.0 --ref-prob 1.0 \
+        --flag-weight 1.0 --short-steps 600 --value-from 600 --schedule constant --steps 1500 --eval-every 300  # J3
     python benchmarks/critic_probe.py --baselines --pair-frac 1.0 --ref-prob 0.5  # what no skill scores (E's mix)
     python benchmarks/critic_probe.py --frozen-probe --steps 0   # which layer holds "this sum is wrong" (none)
     (every attempt's command, A-J, and what it reached: docs/ac2.md, "Can the tiny critic learn to judge?")
@@ -167,15 +169,16 @@ def pair_report(model, pairs, with_reference=True):
 
 
 @torch.no_grad()
-def probe_pairs(model, probe, pairs, layer):
-    """Pairs whose wrong prefix gets the higher --flag-weight probe logit at its last attempt token (a tie fails):
-    whether the verdict has formed at the attempt, read where the probe reads it, beside the value's own pairs."""
+def probe_pairs(model, probe, pairs, layer, at_value=False):
+    """Pairs whose wrong prefix gets the higher --flag-weight probe logit at its last attempt token (or, `at_value`,
+    at the context's last token, where the value is read; a tie fails): whether the verdict has formed there, read
+    where the probe reads it, beside the value's own pairs."""
     model.eval()
     right_wrong = []
     for prob, r, w, ref in pairs:
         for attempt in (r, w):
             ctx = critic_ids(prob, attempt, ref)
-            last = attempt_start(ctx) + len(enc(attempt)) - 1
+            last = len(ctx) - 1 if at_value else attempt_start(ctx) + len(enc(attempt)) - 1
             hidden = model(input_ids=torch.tensor([ctx]), output_hidden_states=True).hidden_states[layer]
             right_wrong.append(probe(hidden[0, last]).item())
     return sum(w > r for r, w in zip(right_wrong[0::2], right_wrong[1::2]))
@@ -256,12 +259,16 @@ def attempt_start(ctx):
     return next(i + len(marker) for i in range(len(ctx)) if ctx[i:i + len(marker)] == marker)
 
 
-def attempt_flags(ctx, attempt, nums):
+def attempt_flags(ctx, attempt, nums, tail=False):
     """(position in the critic context, 1 if the attempt up to that token has left every correct trace) for each
-    attempt token: the dense labels of `--flag-weight`."""
+    attempt token: the dense labels of `--flag-weight`. With `tail` (`--flag-tail`), every token after the attempt
+    too (its turn's end, the instruction, the forced prefill) carries the verdict on the whole attempt, so that it
+    is formed where the value is read."""
     start, ids = attempt_start(ctx), enc(attempt)
     assert ctx[start:start + len(ids)] == ids
-    return [(start + i, float(left_every_trace(TOK.decode(ids[: i + 1]), nums))) for i in range(len(ids))]
+    flags = [(start + i, float(left_every_trace(TOK.decode(ids[: i + 1]), nums))) for i in range(len(ids))]
+    end = float(left_every_trace(attempt, nums))
+    return flags + [(i, end) for i in range(start + len(ids), len(ctx))] * tail
 
 
 def wait_trace(nums, rng, slip_rate):
@@ -319,7 +326,7 @@ def critic_example(p, nums, attempt, ref, a):
     elif a.ref_flags:
         flags = reference_flags(ctx, attempt, ref) if ref else []
     else:
-        flags = attempt_flags(ctx, attempt, nums)
+        flags = attempt_flags(ctx, attempt, nums, a.flag_tail)
     copies = copy_targets(ctx, attempt, ref) if a.copy_weight and ref else []
     loss_from = len(ctx)
     if a.requote_lm and ref:  # next-token loss on the quoted attempt too (from its second token), then the turn's
@@ -541,6 +548,8 @@ def evaluate(model, step, pair_sets, a, t0, probe=None):
     if a.flag_weight and not a.ref_flags and step:
         rep["probe_last"] = probe_pairs(model, probe, pair_sets["last"], a.flag_layer)
         rep["probe_earlier"] = probe_pairs(model, probe, pair_sets["earlier"], a.flag_layer)
+        if a.flag_tail:
+            rep["probe_last_at_value"] = probe_pairs(model, probe, pair_sets["last"], a.flag_layer, at_value=True)
     rep["pm1_10_last"] = pair_report(model, pair_sets["last"])
     rep["pm1_10_earlier"] = pair_report(model, pair_sets["earlier"])
     rep["pm1_10_first"] = pair_report(model, pair_sets["first"])
@@ -583,6 +592,9 @@ def main():
     ap.add_argument("--ref-flags", action="store_true",
                     help="with --flag-weight: the probe's labels sit on the reference's tokens instead (has the "
                          "attempt, up to this token, differed from the reference?), where the comparison is possible")
+    ap.add_argument("--flag-tail", action="store_true",
+                    help="with --flag-weight on the attempt's tokens: the tokens after the attempt (up to where the "
+                         "value is read) carry the verdict on the whole attempt as well")
     ap.add_argument("--requote", action="store_true",
                     help="the tiny critic prompt quotes the attempt again after the reference (a format change)")
     ap.add_argument("--ref-first", action="store_true",

@@ -80,6 +80,10 @@ def test_the_probes_dense_label_turns_on_at_the_first_wrong_digit_and_stays_on()
             assert [pos for pos, _ in flags] == list(range(start, start + len(attempt)))
             assert critic_probe.TOK.decode([ctx[pos] for pos, _ in flags]) == attempt
             assert [y for _, y in flags] == [0.0] * first_wrong + [1.0] * (len(attempt) - first_wrong)
+            # --flag-tail: every token after the attempt, up to where the value is read, carries the whole verdict
+            tail = critic_probe.attempt_flags(ctx, attempt, nums, tail=True)
+            assert tail[: len(flags)] == flags
+            assert tail[len(flags):] == [(pos, 1.0) for pos in range(start + len(attempt), len(ctx))]
         for right in ("33+95=128\n128+46=174\n</think>", "33+95=128\n128+46=174\ncheck:\n33+9"):  # check: too
             ctx = critic_probe.critic_ids(problem, right, tiny_solution(nums))
             assert all(y == 0.0 for _, y in critic_probe.attempt_flags(ctx, right, nums))
