@@ -328,11 +328,15 @@ def critic_example(p, nums, attempt, ref, a):
     else:
         flags = attempt_flags(ctx, attempt, nums, a.flag_tail)
     copies = copy_targets(ctx, attempt, ref) if a.copy_weight and ref else []
+    if a.copy_lm and ref and a.ref_first:  # next-token loss on the attempt's tokens while it is still right
+        lm = [pos for pos, wrong in attempt_flags(ctx, attempt, nums) if not wrong]
+    else:
+        lm = []
     loss_from = len(ctx)
     if a.requote_lm and ref:  # next-token loss on the quoted attempt too (from its second token), then the turn's
         # end and the forced prefill: the quote is an exact repeat of the attempt, what copying attention learns from
         loss_from = reference_start(ctx) + len(enc(ref)) + len(enc(REQUOTE)) + 1
-    return ctx + enc(VALUE_STRINGS[value_of(attempt, nums, a.label_rate)]) + [EOS], loss_from, flags, copies
+    return ctx + enc(VALUE_STRINGS[value_of(attempt, nums, a.label_rate)]) + [EOS], loss_from, flags, copies, lm
 
 
 def pair_prefixes(nums, d, rng, max_line=None):
@@ -360,13 +364,13 @@ def example(kind, rng, a):
         ctx = chat(tiny_pack_prompt([p["problem"] for p, _ in pack]))
         checks = [rng.random() < 0.5 for _ in pack]
         resp = tiny_packed_solution([n for _, n in pack], rng, a.error_rate, checks)
-        return [(ctx + enc(resp) + [EOS], len(ctx), [], [])]
+        return [(ctx + enc(resp) + [EOS], len(ctx), [], [], [])]
     p, nums = draw(rng, 3 if a.step < a.short_steps else 6)
     check = rng.random() < 0.5
     if kind == "s":
         ctx = chat(p["problem"])
         text = wait_trace(nums, rng, a.error_rate) if a.wait else tiny_solution(nums, rng, a.error_rate, check)
-        return [(ctx + enc(text) + [EOS], len(ctx), [], [])]
+        return [(ctx + enc(text) + [EOS], len(ctx), [], [], [])]
     ref = tiny_solution(nums, check=rng.random() < 0.5) if rng.random() < a.ref_prob else None
     if rng.random() < a.pair_frac and len(nums) >= 2:
         max_line = a.pair_max_line if a.step < a.curriculum_steps else None
@@ -602,6 +606,14 @@ def main():
     ap.add_argument("--value-from", type=int, default=0,
                     help="the value's (and any solve / packed) loss counts from this step on; before it the dense "
                          "labels alone train")
+    ap.add_argument("--copy-lm", action="store_true",
+                    help="with --ref-first: next-token loss on the attempt's tokens while it is still on a correct "
+                         "trace (a right attempt continues the reference, so this rewards copying it)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--late-from", type=int, default=-1, help="from this step on, the batches follow --late-*")
+    ap.add_argument("--late-cycle", default="cs", help="the cycle from --late-from on")
+    ap.add_argument("--late-pair-frac", type=float, default=0.75, help="--pair-frac from --late-from on")
+    ap.add_argument("--late-ref-prob", type=float, default=0.9, help="--ref-prob from --late-from on")
     ap.add_argument("--short-steps", type=int, default=0,
                     help="for the first this-many steps, problems have 2-3 terms only (then 2-6)")
     ap.add_argument("--requote-lm", action="store_true",
@@ -631,7 +643,7 @@ def main():
     a.step = 0
     if a.baselines:
         return baselines(a)
-    torch.set_num_threads(2)
+    torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(a.seed)
@@ -674,26 +686,35 @@ def main():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     t0 = time.time()
     evaluate(model, 0, pair_sets, a, t0)
-    losses, flag_losses, copy_losses = [], [], []
+    losses, flag_losses, copy_losses, lm_losses = [], [], [], []
     for step in range(a.steps):
         a.step = step
+        if step == a.late_from:  # --late-from: the second stage's batch mix
+            a.cycle, a.pair_frac, a.ref_prob = a.late_cycle, a.late_pair_frac, a.late_ref_prob
         b = batch_of(a.cycle[step % len(a.cycle)], rng, a)
         width = max(len(x) for x, *_ in b)
         ids = torch.full((len(b), width), TOK.pad_token_id)
         labels = torch.full((len(b), width), -100)
-        for r, (x, n, *_) in enumerate(b):
+        lm_labels = torch.full((len(b), width), -100)
+        for r, (x, n, _, _, lm) in enumerate(b):
             ids[r, : len(x)] = torch.tensor(x)
             labels[r, n: len(x)] = torch.tensor(x[n:])
+            for pos in lm:
+                lm_labels[r, pos] = x[pos]
         model.train()
         out = model(input_ids=ids, labels=labels, output_hidden_states=bool(a.flag_weight or a.copy_weight))
         loss = out.loss * (step >= a.value_from)  # --value-from: the dense label alone first
-        copies = [(r, pos, y) for r, (*_, c) in enumerate(b) for pos, y in c]
+        if a.copy_lm and (lm_labels >= 0).any():  # --copy-lm counts from the first step
+            lm_loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), lm_labels[:, 1:].flatten())
+            lm_losses.append(lm_loss.item())
+            loss = loss + lm_loss
+        copies = [(r, pos, y) for r, (_, _, _, c, _) in enumerate(b) for pos, y in c]
         if copies:  # the lookup alone: at reference token j, a linear probe names the attempt's token j
             rows, cols, ys = (torch.tensor(v) for v in zip(*copies))
             copy_loss = torch.nn.functional.cross_entropy(copy_probe(out.hidden_states[a.copy_layer][rows, cols]), ys)
             copy_losses.append(copy_loss.item())
             loss = loss + a.copy_weight * copy_loss
-        flags = [(r, pos, y) for r, (_, _, f, _) in enumerate(b) for pos, y in f]
+        flags = [(r, pos, y) for r, (_, _, f, _, _) in enumerate(b) for pos, y in f]
         if flags:  # the dense auxiliary loss: a linear probe reads "left every correct trace" at each attempt token
             rows, cols, ys = (torch.tensor(v) for v in zip(*flags))
             logit = probe(out.hidden_states[a.flag_layer][rows, cols]).squeeze(-1)
@@ -709,9 +730,13 @@ def main():
         if (step + 1) % 50 == 0:
             flag = f" flag loss {sum(flag_losses[-50:]) / len(flag_losses[-50:]):.4f}" if flag_losses else ""
             flag += f" copy loss {sum(copy_losses[-50:]) / len(copy_losses[-50:]):.4f}" if copy_losses else ""
+            flag += f" lm loss {sum(lm_losses[-50:]) / len(lm_losses[-50:]):.4f}" if lm_losses else ""
             print(f"step {step + 1} loss {sum(losses[-50:]) / 50:.4f}{flag} {time.time() - t0:.0f}s", flush=True)
         if (step + 1) % a.eval_every == 0:
             evaluate(model, step + 1, pair_sets, a, t0, probe)
+            if a.save:
+                model.save_pretrained(f"{a.out}/step_{step + 1}")
+                TOK.save_pretrained(f"{a.out}/step_{step + 1}")
     if a.wait:
         says_wait(model)
     if a.frozen_probe:
