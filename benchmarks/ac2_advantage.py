@@ -18,7 +18,7 @@ error; the share of chunks the critic gave no advantage at all (every chunk of t
 chunk counts as a sign disagreement); and the critic's value error. Before readiness AC2 does not use the
 critic: those numbers say what trusting it then would have given. "ready" restricts to problems the
 checkpoint's table holds ready.
-Writes benchmarks/results/ac2_advantage.json.
+Writes benchmarks/results/ac2_advantage.json (or --out).
 """
 
 import argparse
@@ -131,6 +131,7 @@ def main():
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--rollouts", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ac2_advantage.json"))
     a = ap.parse_args()
     run = Path(a.run)
     saved = sorted(int(p.name[5:]) for p in run.glob("step_*"))
@@ -146,7 +147,7 @@ def main():
         rep = analyse(llm, run / f"step_{s}", a.groups, a.rollouts, a.seed)
         print(json.dumps(rep), flush=True)
         result["phases"].append(rep)
-    out = ROOT / "benchmarks" / "results" / "ac2_advantage.json"
+    out = Path(a.out)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
 

@@ -149,6 +149,23 @@ def tiny_pack_prompt(problems: list[str], budget: int = TINY_PACK_BUDGET) -> str
     return TINY_PACK_TEMPLATE.format(n=len(problems), budget=budget, problems=listed)
 
 
+def tiny_critic_context(tokenizer, problem: str, attempt: list[int], reference: str | None,
+                        reference_first: bool = False) -> tuple[list[int], int]:
+    """AC2's critic prompt on the tiny task, as `ac2.critic_context` builds it with the short instruction: the
+    problem's turn (closed by the reference with `reference_first`, ac2.py --critic-reference-first), the attempt,
+    `</think>` if it has none, the instruction (with the reference, if it did not come first), the forced prefill.
+    Returns the token ids and where the attempt starts."""
+    shown = TINY_CRITIC_REFERENCE.format(reference_proof=reference) if reference else ""
+    prompt_text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": problem + (shown if reference_first else "")}], tokenize=False,
+        add_generation_prompt=True)
+    prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    turn = CRITIC_TURN.format(instruction=TINY_CRITIC_INSTRUCTION.format(reference="" if reference_first else shown))
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    close = [] if think_end in attempt else [think_end]
+    return prompt + attempt + close + tokenizer(turn, add_special_tokens=False)["input_ids"], len(prompt)
+
+
 def _running_sums(numbers: list[int], rng: random.Random | None, error_rate: float) -> tuple[list[str], int]:
     lines, total = [], numbers[0]
     for x in numbers[1:]:
@@ -363,13 +380,11 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> list[float]:
         response = tokenizer(text, add_special_tokens=False)["input_ids"]
         if kind == "solve":
             return prompt + response + [eos], len(prompt)
-        # the critic prompt format of ac2.critic_context: partial attempt, </think> if it has none, the
-        # instruction (with a correct trace as reference half the time), the forced "Q value: " prefill
+        # AC2's critic prompt (tested equal to ac2.critic_context's): a partial attempt, with a correct trace as
+        # reference half the time
         attempt = response[: rng.randint(0, len(response))]
-        ref = TINY_CRITIC_REFERENCE.format(reference_proof=tiny_solution(numbers)) if rng.random() < 0.5 else ""
-        turn = CRITIC_TURN.format(instruction=TINY_CRITIC_INSTRUCTION.format(reference=ref))
-        close = [] if think_end in attempt else [think_end]
-        context = prompt + attempt + close + tokenizer(turn, add_special_tokens=False)["input_ids"]
+        reference = tiny_solution(numbers) if rng.random() < 0.5 else None
+        context, _ = tiny_critic_context(tokenizer, p["problem"], attempt, reference)
         value = tokenizer(VALUE_STRINGS[prior_value(tokenizer.decode(attempt), numbers)], add_special_tokens=False)
         return context + value["input_ids"] + [eos], len(context)
 
@@ -383,7 +398,7 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> list[float]:
         remaining = len(numbers) - 1 - attempt.split("check:")[0].count("\n")
         return round(10 * (1 - recipe.error_rate) ** max(remaining, 0))
 
-    think_end, eos = tokenizer.convert_tokens_to_ids("</think>"), tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
 
     held_out = {p["problem"] for p in tiny_dataset("test")}
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.sft_lr, weight_decay=0.01)
