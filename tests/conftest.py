@@ -1,5 +1,6 @@
 """Shared fixtures. Everything runs offline on a CPU with the built-in tiny model (built once, cached)."""
 
+import math
 import os
 import subprocess
 import sys
@@ -128,3 +129,23 @@ def straight_run(script: str, args: list[str], cwd: Path) -> Path:
     and its resume test (`run_straight_and_resumed(..., straight=...)`) both read, instead of running it twice."""
     run_script(script, *args, "--run-name", "straight", cwd=cwd)
     return cwd
+
+
+def assert_rollout_weights_are_one(s: dict, mode: str, steps) -> None:
+    """A run with `--rollout-correction mode` on a CPU: fp32 on both sides, so the engine and the trainer agree to the
+    suite's tolerances, every weight is within 1e-3 of 1 and nothing is truncated or masked."""
+    verb = "truncated" if mode.endswith("truncate") else "masked"
+    for step in steps:
+        assert abs(s["rollout/is_weight_mean"][step] - 1) < 1e-3 and abs(s["rollout/is_weight_max"][step] - 1) < 1e-3
+        assert s[f"rollout/is_{verb}_frac"][step] == 0.0, step
+
+
+def assert_trained_on_the_engines_old_logprobs(s: dict, script: str, steps) -> None:
+    """A run with `--old-logprobs engine`: it trains, and the trainer's old log-prob pass is skipped (so the
+    engine-trainer gap goes unmeasured), except that AC2 still scores its empty-prefix rows for Eq. 9's entropy."""
+    assert all(math.isfinite(s["losses/policy_loss"][k]) for k in steps)
+    assert all(math.isnan(s["sampling/mismatch_kl"][k]) for k in steps)  # not measured: no trainer pass
+    if script == "ac2.py":
+        assert all(0 < s["losses/entropy"][k] < 5 for k in steps) and "memory/old_logprobs" in s
+    if script in ("ccr.py", "grpo.py"):
+        assert "memory/old_logprobs" not in s  # the pass was skipped entirely

@@ -4,20 +4,28 @@ With the paper's thresholds (tau_global 0.20, tau_local 0.18) readiness engages 
 30-50 steps (`python benchmarks/ac2_tiny.py`: the gate opens at step 51 with seed 1, 124 of 128 problems are
 ready by step 100; step 32 with seed 2), 4-7 minutes -- too long for the suite. So that the ready path --
 routing to chunks and audits, consumed critic values, the drop in decoding FLOPs -- is exercised end to end with
-the real engine here, this run loosens both thresholds to 0.5 through their flags; everything else is the --tiny
-preset.
+the real engine here, this run loosens both thresholds to 0.5 through their flags and turns a rollout-correction
+mode on; everything else is the --tiny preset. The resume test trains on the engine's old log-probabilities.
 """
 
 import math
 
 import pytest
-from conftest import CPU_ONLY, MISMATCH_KL, read_scalars, run_script, run_straight_and_resumed
+from conftest import (
+    CPU_ONLY,
+    MISMATCH_KL,
+    assert_rollout_weights_are_one,
+    assert_trained_on_the_engines_old_logprobs,
+    read_scalars,
+    run_script,
+    run_straight_and_resumed,
+)
 
 pytestmark = pytest.mark.slow  # end-to-end runs: the full suite only (the fast tier: -m 'not slow')
 
 STEPS = 20
 LONG = ["--tiny", "--num-steps", str(STEPS), "--tau-global", "0.5", "--tau-local", "0.5", "--eval-every", "0",
-        "--log-completions-every", "10"]
+        "--log-completions-every", "10", "--rollout-correction", "token-mask"]  # its weights are 1 on a CPU
 
 
 def test_ac2_tiny_run_critic_becomes_ready_and_chunks_replace_rollouts(tmp_path):
@@ -30,6 +38,7 @@ def test_ac2_tiny_run_critic_becomes_ready_and_chunks_replace_rollouts(tmp_path)
         assert sorted(s[key]) == list(range(1, STEPS + 1)), key
         assert all(math.isfinite(v) for v in s[key].values()), key
     assert max(s["sampling/mismatch_kl"].values()) < MISMATCH_KL
+    assert_rollout_weights_are_one(s, "token-mask", range(1, STEPS + 1))
     # step 1 is a cold start: no replay yet, full groups of fresh problems, no critic use
     assert s["ac2/tokens_cold"][1] > 0 and s["ac2/tokens_full"][1] == 0 and s["ac2/consumed_rows"][1] == 0
     # the global gate opens, problems become ready, and ready problems are routed to chunks and audits
@@ -50,7 +59,7 @@ def test_ac2_tiny_run_critic_becomes_ready_and_chunks_replace_rollouts(tmp_path)
 
 
 SMALL = ["--tiny", "--num-steps", "4", "--n-batch", "8", "--n-refill", "8", "--eval-every", "2", "--eval-limit", "16",
-         "--save-every", "2"]
+         "--save-every", "2", "--old-logprobs", "engine"]  # the engine's old log-probabilities, resumed alike
 
 
 @CPU_ONLY
@@ -58,6 +67,7 @@ def test_ac2_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
     (a, sa), (b, sb) = run_straight_and_resumed("ac2.py", SMALL, 2, 4, tmp_path)
     for key in ("buffer", "readiness", "bank", "critic_fifo", "critic_lr", "ladder_streak", "entropy_k"):
         assert a[key] == b[key], key
+    assert_trained_on_the_engines_old_logprobs(sa, "ac2.py", (1, 2, 3, 4))
     for key in ["train/reward_mean", "losses/policy_loss", "ac2/critic_loss", "ac2/probe_mae", "ac2/eps_high",
                 "charts/decoding_flops"]:
         for step in (3, 4):

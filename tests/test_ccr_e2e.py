@@ -3,13 +3,22 @@
 import math
 
 import pytest
-from conftest import CPU_ONLY, MISMATCH_KL, read_scalars, run_straight_and_resumed, straight_run
+from conftest import (
+    CPU_ONLY,
+    MISMATCH_KL,
+    assert_rollout_weights_are_one,
+    read_scalars,
+    run_straight_and_resumed,
+    straight_run,
+)
 
 pytestmark = pytest.mark.slow  # end-to-end runs: the full suite only (the fast tier: -m 'not slow')
 
-# 96 problems -> 32 packs of 3 per epoch, 8 packs per step, 2 epochs = 8 steps
+# 96 problems -> 32 packs of 3 per epoch, 8 packs per step, 2 epochs = 8 steps; with one rollout-correction mode on
+# (its weights are 1 on a CPU)
 SMALL = ["--tiny", "--subset-size", "96", "--packs-per-step", "8", "--epochs", "2", "--eval-every", "4",
-         "--eval-limit", "24", "--save-every", "4", "--packed-eval-sizes", "1", "3", "--log-completions-every", "4"]
+         "--eval-limit", "24", "--save-every", "4", "--packed-eval-sizes", "1", "3", "--log-completions-every", "4",
+         "--rollout-correction", "sequence-mask"]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +52,7 @@ def test_ccr_truncated_completions_keep_partial_credit(small_run):
     # that long answers fill
     assert ccr_tokens < single_problem_tokens, (ccr_tokens, single_problem_tokens)
     assert max(s["sampling/mismatch_kl"].values()) < MISMATCH_KL
+    assert_rollout_weights_are_one(s, "sequence-mask", range(1, 9))
 
 
 @CPU_ONLY

@@ -8,7 +8,16 @@ import subprocess
 
 import pytest
 import torch
-from conftest import CPU_ONLY, LOGPROB_GAP, ROOT, command, read_scalars, run_script, run_straight_and_resumed
+from conftest import (
+    CPU_ONLY,
+    LOGPROB_GAP,
+    ROOT,
+    assert_trained_on_the_engines_old_logprobs,
+    command,
+    read_scalars,
+    run_script,
+    run_straight_and_resumed,
+)
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # end-to-end runs: the full suite only (the fast tier: -m 'not slow')
@@ -84,10 +93,10 @@ STATE_RUNS = [
                 "--tau-local", "0.5", "--window", "1", "--eval-every", "0"],
      ["buffer", "readiness", "bank", "critic_fifo", "critic_lr", "ladder_streak", "entropy_k", "decoding_flops"]),
     ("rpo.py", ["--tiny", "--train-limit", "32", "--problems-per-step", "16", "--epochs", "2", "--num-steps", "3",
-                "--eval-every", "0"],
+                "--eval-every", "0", "--old-logprobs", "engine", "--no-prefix-in-loss"],
      ["cache", "cache_correct", "cache_finished", "previous_shortest", "decoding_flops", "generated_tokens"]),
     ("ccr.py", ["--tiny", "--subset-size", "48", "--packs-per-step", "8", "--epochs", "2", "--num-steps", "3",
-                "--eval-every", "0"],
+                "--eval-every", "0", "--old-logprobs", "engine"],
      ["packs", "packs_epoch", "decoding_flops", "generated_tokens"]),
 ]
 
@@ -107,6 +116,8 @@ def test_two_ranks_hold_one_algorithm_state_and_the_one_rank_state(script, args,
             assert a[key] == b[key], (step, key)
     if script == "ac2.py":  # the critic took part: records were made and the bank filled
         assert len(b["critic_fifo"]) > 0 and len(b["buffer"]) > 0
+    else:  # RPO and CCR run on the engine's old log-probabilities here
+        assert_trained_on_the_engines_old_logprobs(read_scalars(tmp_path / "runs/one"), script, (1, 2, 3))
 
 
 @CPU_ONLY
@@ -149,6 +160,7 @@ def test_the_engines_old_logprobs_on_two_ranks_equal_one_rank(tmp_path):
     run_script("grpo.py", *args, "--run-name", "one", cwd=tmp_path)
     run_script("grpo.py", *args, "--run-name", "two", cwd=tmp_path, ranks=2)
     s1, s2 = read_scalars(tmp_path / "runs/one"), read_scalars(tmp_path / "runs/two")
+    assert_trained_on_the_engines_old_logprobs(s1, "grpo.py", (1, 2))
     for key in ["losses/policy_loss", "losses/approx_kl"]:
         for step in (1, 2):
             assert math.isclose(s2[key][step], s1[key][step], rel_tol=1e-4, abs_tol=1e-6), (key, step)

@@ -5,11 +5,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CPU_ONLY, MISMATCH_KL, MISMATCH_MAX, read_scalars, run_straight_and_resumed, straight_run
+from conftest import (
+    CPU_ONLY,
+    MISMATCH_KL,
+    MISMATCH_MAX,
+    assert_rollout_weights_are_one,
+    read_scalars,
+    run_straight_and_resumed,
+    straight_run,
+)
 from safetensors.torch import load_file
 
+# with one rollout-correction mode on (each script's run has another): its weights are 1 on a CPU
 SMALL = ["--tiny", "--num-steps", "4", "--problems-per-step", "8", "--group-size", "4", "--eval-every", "2",
-         "--eval-limit", "16", "--save-every", "2", "--log-completions-every", "2"]
+         "--eval-limit", "16", "--save-every", "2", "--log-completions-every", "2",
+         "--rollout-correction", "token-truncate"]
 SHARED_KEYS = ["charts/decoding_flops", "charts/generated_tokens", "charts/step_time", "train/reward_mean",
                "losses/policy_loss", "losses/clipfrac", "losses/approx_kl", "losses/entropy",
                "sampling/mismatch_kl", "time/generate", "time/score", "time/train", "time/sync"]
@@ -40,6 +50,7 @@ def test_grpo_tiny_run_logs_every_metric_and_changes_the_weights(small_run, tiny
     # the engine samples from exactly the trainer's weights, step after step
     assert max(s["sampling/mismatch_kl"].values()) < MISMATCH_KL
     assert max(s["sampling/mismatch_max"].values()) < MISMATCH_MAX
+    assert_rollout_weights_are_one(s, "token-truncate", (1, 2, 3, 4))
     assert abs(s["losses/eps_high"][1] - (0.28 + 0.08)) < 1e-6 # k0 = 0.06, tiny entropy is below H* = 0.28: +0.02
     assert 0 < s["train/response_len_mean"][1] < 150
     before, after = weights(Path(tiny_model)), weights(small_run / "checkpoints/straight/step_4/policy")

@@ -1,13 +1,16 @@
 """Rollout correction (--rollout-correction) and the engine's old log-probabilities (--old-logprobs engine): the
 weights by hand at each level, where each script's loss applies them, a real engine whose weights differ on purpose,
-the refusals, and the modes end to end."""
+and the refusals. End to end, each mode runs in one script's own test run (grpo: token-truncate, ac2: token-mask,
+rpo: sequence-truncate, ccr: sequence-mask; conftest.assert_rollout_weights_are_one), and the engine's old
+log-probabilities in ac2's resume test, rpo's and ccr's two-rank state tests and grpo's two-rank engine test
+(conftest.assert_trained_on_the_engines_old_logprobs)."""
 
 import dataclasses
 import math
 
 import pytest
 import torch
-from conftest import LOGPROB_GAP, read_scalars, run_script
+from conftest import LOGPROB_GAP
 from vllm import SamplingParams
 
 import ac2
@@ -157,44 +160,3 @@ def test_an_engine_with_other_weights_gives_the_weights_exp_old_minus_vllm(engin
         assert torch.allclose(r.is_weight, want, rtol=1e-5, atol=1e-6)
     assert abs(stats["rollout/is_weight_mean"] - 1) > 1e-3  # a real gap, not the CPU's agreement to 1e-6
     assert grpo.sampler_gap(rows, args)["sampling/mismatch_kl"] > 1e-4
-
-
-MODES = [("grpo.py", ["--rollout-correction", "token-truncate"]),
-         ("ac2.py", ["--rollout-correction", "token-mask", "--n-batch", "8", "--n-refill", "8"]),
-         ("rpo.py", ["--rollout-correction", "sequence-truncate", "--train-limit", "32", "--problems-per-step", "16"]),
-         ("ccr.py", ["--rollout-correction", "sequence-mask", "--subset-size", "48", "--packs-per-step", "8"])]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("script,flags", MODES, ids=[f"{s}-{f[1]}" for s, f in MODES])
-def test_each_mode_trains_and_its_weights_are_one_on_cpu(script, flags, tmp_path):
-    """fp32 on both sides on a CPU: the engine and the trainer agree to the suite's tolerances, so every weight is
-    within 1e-3 of 1 and nothing is truncated or masked."""
-    run_script(script, "--tiny", "--num-steps", "2", "--eval-every", "0", *flags, "--run-name", "rc", cwd=tmp_path)
-    s = read_scalars(tmp_path / "runs/rc")
-    verb = "truncated" if flags[1].endswith("truncate") else "masked"
-    for step in (1, 2):
-        assert abs(s["rollout/is_weight_mean"][step] - 1) < 1e-3 and abs(s["rollout/is_weight_max"][step] - 1) < 1e-3
-        assert s[f"rollout/is_{verb}_frac"][step] == 0.0
-        assert math.isfinite(s["losses/policy_loss"][step]) and s["sampling/mismatch_kl"][step] < 1e-4
-
-
-ENGINE = [("ccr.py", ["--subset-size", "48", "--packs-per-step", "8"]),
-          ("ac2.py", ["--n-batch", "8", "--n-refill", "8"]),
-          ("rpo.py", ["--no-prefix-in-loss", "--train-limit", "32", "--problems-per-step", "16"]),
-          ("grpo.py", ["--no-entropy-control", "--problems-per-step", "8"])]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("script,flags", ENGINE, ids=[s for s, _ in ENGINE])
-def test_the_engines_old_logprobs_train_and_skip_the_trainers_pass(script, flags, tmp_path):
-    run_script(script, "--tiny", "--num-steps", "2", "--eval-every", "0", "--old-logprobs", "engine", *flags,
-               "--run-name", "eng", cwd=tmp_path)
-    s = read_scalars(tmp_path / "runs/eng")
-    assert all(math.isfinite(s["losses/policy_loss"][k]) for k in (1, 2))
-    assert all(math.isnan(s["sampling/mismatch_kl"][k]) for k in (1, 2))  # not measured: no trainer pass
-    if script == "ac2.py":  # Eq. 9 still sees the entropies of the empty-prefix rows the trainer scored
-        assert all(0 < s["losses/entropy"][k] < 5 for k in (1, 2))
-        assert "memory/old_logprobs" in s
-    if script in ("ccr.py", "grpo.py"):
-        assert "memory/old_logprobs" not in s  # the pass was skipped entirely

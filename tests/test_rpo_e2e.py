@@ -4,13 +4,22 @@ import math
 
 import pytest
 import torch
-from conftest import CPU_ONLY, MISMATCH_KL, read_scalars, run_script, run_straight_and_resumed, straight_run
+from conftest import (
+    CPU_ONLY,
+    MISMATCH_KL,
+    assert_rollout_weights_are_one,
+    read_scalars,
+    run_script,
+    run_straight_and_resumed,
+    straight_run,
+)
 
 pytestmark = pytest.mark.slow  # end-to-end runs: the full suite only (the fast tier: -m 'not slow')
 
-# 64 problems, 16 per step, 2 epochs = 8 steps
+# 64 problems, 16 per step, 2 epochs = 8 steps; with one rollout-correction mode on (its weights are 1 on a CPU)
 SMALL = ["--tiny", "--train-limit", "64", "--problems-per-step", "16", "--epochs", "2", "--eval-every", "4",
-         "--eval-limit", "32", "--save-every", "4", "--log-completions-every", "4"]
+         "--eval-limit", "32", "--save-every", "4", "--log-completions-every", "4",
+         "--rollout-correction", "sequence-truncate"]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +46,7 @@ def test_rpo_decodes_only_short_tails_and_the_cache_moves(small_run):
     assert new < 0.5 * full, (new, full)
     assert all(s["rpo/m_mean"][k] <= s["rpo/L_mean"][k] for k in s["rpo/m_mean"])
     assert max(s["sampling/mismatch_kl"].values()) < MISMATCH_KL
+    assert_rollout_weights_are_one(s, "sequence-truncate", range(1, 9))
     # shaping: correct answers earn 0.5..1, wrong ones 0, so the shaped mean is at most the accuracy
     for k in s["rpo/reward_after_shaping"]:
         acc, shaped = s["rpo/reward_before_shaping"][k], s["rpo/reward_after_shaping"][k]
