@@ -149,21 +149,17 @@ def tiny_pack_prompt(problems: list[str], budget: int = TINY_PACK_BUDGET) -> str
     return TINY_PACK_TEMPLATE.format(n=len(problems), budget=budget, problems=listed)
 
 
-def tiny_critic_context(tokenizer, problem: str, attempt: list[int], reference: str | None,
-                        reference_first: bool = False) -> tuple[list[int], int]:
-    """AC2's critic prompt on the tiny task, as `ac2.critic_context` builds it with the short instruction: the
-    problem's turn (closed by the reference with `reference_first`, ac2.py --critic-reference-first), the attempt,
-    `</think>` if it has none, the instruction (with the reference, if it did not come first), the forced prefill.
-    Returns the token ids and where the attempt starts."""
+def tiny_critic_context(tokenizer, problem: str, attempt: list[int], reference: str | None) -> list[int]:
+    """AC2's critic prompt on the tiny task, as `ac2.critic_context` builds it with the short instruction (the
+    warm start cannot import a script, so tests/test_tiny_model.py holds the two equal): the problem's turn, the
+    attempt, `</think>` if it has none, the instruction (with the reference, if any), the forced prefill."""
+    prompt = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": problem}], tokenize=False,
+                                                     add_generation_prompt=True), add_special_tokens=False)["input_ids"]
     shown = TINY_CRITIC_REFERENCE.format(reference_proof=reference) if reference else ""
-    prompt_text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": problem + (shown if reference_first else "")}], tokenize=False,
-        add_generation_prompt=True)
-    prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-    turn = CRITIC_TURN.format(instruction=TINY_CRITIC_INSTRUCTION.format(reference="" if reference_first else shown))
+    turn = CRITIC_TURN.format(instruction=TINY_CRITIC_INSTRUCTION.format(reference=shown))
     think_end = tokenizer.convert_tokens_to_ids("</think>")
     close = [] if think_end in attempt else [think_end]
-    return prompt + attempt + close + tokenizer(turn, add_special_tokens=False)["input_ids"], len(prompt)
+    return prompt + attempt + close + tokenizer(turn, add_special_tokens=False)["input_ids"]
 
 
 def _running_sums(numbers: list[int], rng: random.Random | None, error_rate: float) -> tuple[list[str], int]:
@@ -384,7 +380,7 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> list[float]:
         # reference half the time
         attempt = response[: rng.randint(0, len(response))]
         reference = tiny_solution(numbers) if rng.random() < 0.5 else None
-        context, _ = tiny_critic_context(tokenizer, p["problem"], attempt, reference)
+        context = tiny_critic_context(tokenizer, p["problem"], attempt, reference)
         value = tokenizer(VALUE_STRINGS[prior_value(tokenizer.decode(attempt), numbers)], add_special_tokens=False)
         return context + value["input_ids"] + [eos], len(context)
 

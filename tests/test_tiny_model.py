@@ -42,21 +42,16 @@ def test_another_recipe_is_built_into_the_cache_once_with_progress(tmp_path, cap
     assert (path / "model.safetensors").read_bytes() == before
 
 
-def test_the_warm_starts_critic_prompt_is_ac2s_in_either_order():
+def test_the_warm_starts_critic_prompt_is_ac2s():
     # the warm start teaches exactly the context ac2.py --tiny asks the critic with (ac2.critic_context)
     import ac2
     from common.tiny import build_tokenizer, tiny_critic_context, tiny_solution
 
     tok, args = build_tokenizer(), ac2.tiny_args()
     reference = tiny_solution([33, 95, 46], check=True)
-    for first in (False, True):
-        args.critic_reference_first = first
-        for text in ("", "33+95=12", "33+95=128\n128+46=174\n</think>\n\n\\boxed{174}"):
-            attempt = tok(text, add_special_tokens=False)["input_ids"]
-            for ref in (None, reference):
-                ids, start = tiny_critic_context(tok, "Add: 33+95+46", attempt, ref, reference_first=first)
-                assert ids == ac2.critic_context(ac2.encode_chat(tok, "Add: 33+95+46"), attempt, ref, tok, args)
-                assert ids[start:start + len(attempt)] == attempt
-    ids, start = tiny_critic_context(tok, "Add: 33+95+46", [], reference, reference_first=True)
-    assert tok.decode(ids[:start]).endswith("Add: 33+95+46 Reference:\n" + reference + "<|im_end|>\n"
-                                            "<|im_start|>assistant\n<think>\n")
+    for text in ("", "33+95=12", "33+95=128\n128+46=174\n</think>\n\n\\boxed{174}"):
+        attempt = tok(text, add_special_tokens=False)["input_ids"]
+        for ref in (None, reference):
+            ids = tiny_critic_context(tok, "Add: 33+95+46", attempt, ref)
+            assert ids == ac2.critic_context(ac2.encode_chat(tok, "Add: 33+95+46"), attempt, ref, tok, args)
+            assert tok.decode(ids).count("Reference") == (ref is not None)  # so both cases were really built
