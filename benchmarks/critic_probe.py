@@ -609,6 +609,8 @@ def main():
     ap.add_argument("--copy-lm", action="store_true",
                     help="with --ref-first: next-token loss on the attempt's tokens while it is still on a correct "
                          "trace (a right attempt continues the reference, so this rewards copying it)")
+    ap.add_argument("--split-opt", action="store_true",
+                    help="two AdamW states over the same weights, one stepped on solve batches, one on the rest")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--late-from", type=int, default=-1, help="from this step on, the batches follow --late-*")
     ap.add_argument("--late-cycle", default="cs", help="the cycle from --late-from on")
@@ -675,15 +677,20 @@ def main():
         a.copy_layer += len(model.model.layers)
     probe = torch.nn.Linear(model.config.hidden_size, 1)  # training only: never saved, never read by the critic
     copy_probe = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size)  # the same
-    opt = torch.optim.AdamW([*model.parameters(), *probe.parameters(), *copy_probe.parameters()], lr=a.lr,
-                            weight_decay=a.wd)
+    def adamw():
+        return torch.optim.AdamW([*model.parameters(), *probe.parameters(), *copy_probe.parameters()], lr=a.lr,
+                                 weight_decay=a.wd)
+
+    # --split-opt: with one AdamW, the solve batches' gradients (a loss on every response token) fill the second
+    # moments, and a critic batch's step shrinks; two states give each kind its own step size (attempt O)
+    opts = {"s": adamw(), "rest": adamw()} if a.split_opt else {"rest": adamw()}
 
     def lr_factor(s):  # warm-up, then cosine (or constant)
         if a.schedule != "cosine":
             return 1.0
         return min(1.0, (s + 1) / a.warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, a.steps))))
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_factor) for o in opts.values()]
     t0 = time.time()
     evaluate(model, 0, pair_sets, a, t0)
     losses, flag_losses, copy_losses, lm_losses = [], [], [], []
@@ -691,7 +698,9 @@ def main():
         a.step = step
         if step == a.late_from:  # --late-from: the second stage's batch mix
             a.cycle, a.pair_frac, a.ref_prob = a.late_cycle, a.late_pair_frac, a.late_ref_prob
-        b = batch_of(a.cycle[step % len(a.cycle)], rng, a)
+        kind = a.cycle[step % len(a.cycle)]
+        opt = opts.get(kind, opts["rest"])
+        b = batch_of(kind, rng, a)
         width = max(len(x) for x, *_ in b)
         ids = torch.full((len(b), width), TOK.pad_token_id)
         labels = torch.full((len(b), width), -100)
@@ -725,7 +734,8 @@ def main():
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
+        for sched in scheds:
+            sched.step()
         losses.append(out.loss.item())  # the value tokens (and any solve / packed tokens) only
         if (step + 1) % 50 == 0:
             flag = f" flag loss {sum(flag_losses[-50:]) / len(flag_losses[-50:]):.4f}" if flag_losses else ""
