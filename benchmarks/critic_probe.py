@@ -12,7 +12,7 @@
         --flag-weight 1.0 --short-steps 600 --value-from 600 --schedule constant --steps 1500 --eval-every 300  # J3
     python benchmarks/critic_probe.py --baselines --pair-frac 1.0 --ref-prob 0.5  # what no skill scores (E's mix)
     python benchmarks/critic_probe.py --frozen-probe --steps 0   # which layer holds "this sum is wrong" (none)
-    (every attempt's command, A-O, and what it reached: docs/ac2.md, "Can the tiny critic learn to judge?")
+    (every attempt's command, A-P, and what it reached: docs/ac2.md, "Can the tiny critic learn to judge?")
 
 Fine-tunes the shipped tiny model (or `--init scratch`, or the shipped model with `--grow N` decoder layers appended
 whose output projections start at zero, so the function is unchanged at step 0) on batches of the warm start's
