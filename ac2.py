@@ -1687,6 +1687,9 @@ class Clock:
 
 def main(args: Args) -> dict:
     check_flags(args)
+    if args.model == "tiny-ac2" and not args.critic_reference_first:  # read in another order, its critic is blind
+        raise SystemExit("--model tiny-ac2's critic learned the reference before the attempt: add "
+                         "--critic-reference-first")
     rank, device, resume_dir, ckpt, run_name = start_run(args)
     master = rank == 0
 

@@ -2,6 +2,7 @@
 
     python benchmarks/ac2_advantage.py                       # the AC2 run of benchmarks/compare.py (seed 1)
     python benchmarks/ac2_advantage.py --run checkpoints/<run> --steps 30 70 100 --groups 16 --rollouts 128
+    python benchmarks/ac2_advantage.py --run checkpoints/cmp_ac2_tiny_ac2_s1_n100 --critic-reference-first  # tiny-ac2
 
 For each chosen checkpoint of an `ac2.py --tiny` run (the policy, replay buffer, readiness table and reference
 bank after step k) it builds replay groups as AC2's step k+1 does -- question-uniform slots from the buffer
@@ -37,13 +38,14 @@ from common import engine  # noqa: E402
 from common.tiny import build_tokenizer, tiny_dataset, tiny_reward  # noqa: E402
 
 
-def analyse(llm, ckpt: Path, groups: int, rollouts: int, seed: int) -> dict:
+def analyse(llm, ckpt: Path, groups: int, rollouts: int, seed: int, reference_first: bool = False) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     args = ac2.tiny_args()
+    args.critic_reference_first = reference_first  # the run's own flag: the critic is read in the order it learned
     tok = build_tokenizer()
     rows = tiny_dataset("train")[: args.train_limit]
     train = ac2.Problems(rows, [ac2.encode_chat(tok, args.prompt_template.format(problem=r["problem"])) for r in rows])
@@ -131,6 +133,8 @@ def main():
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--rollouts", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--critic-reference-first", action="store_true",
+                    help="the run's ac2.py flag (with --model tiny-ac2): the reference closes the problem's turn")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ac2_advantage.json"))
     a = ap.parse_args()
     run = Path(a.run)
@@ -141,10 +145,10 @@ def main():
         opened = min((k for k, v in gate.items() if v > 0), default=None)
         at = next((s for s in saved if opened is not None and s >= opened), saved[-1])
         steps = sorted({30 if 30 in saved else saved[0], at, saved[-1]})
-    result = {"run": run.name, "phases": []}
+    result = {"run": run.name, "critic_reference_first": a.critic_reference_first, "phases": []}
     llm = engine.create_engine(str(run / f"step_{steps[0]}" / "policy"), max_model_len=1024, seed=a.seed)
     for s in steps:
-        rep = analyse(llm, run / f"step_{s}", a.groups, a.rollouts, a.seed)
+        rep = analyse(llm, run / f"step_{s}", a.groups, a.rollouts, a.seed, a.critic_reference_first)
         print(json.dumps(rep), flush=True)
         result["phases"].append(rep)
     out = Path(a.out)

@@ -2,6 +2,7 @@
 
     python benchmarks/compare.py                       # 7 runs x 2 seeds x 100 steps (the run time: docs/results.md)
     python benchmarks/compare.py --steps 20 --seeds 1  # a quick look
+    python benchmarks/compare.py --model tiny-ac2 --methods AC2 "Prefix GRPO"   # the tiny AC2 setting's model
 
 Every method runs its script's own `--tiny` configuration; they do not all train on the same problems (AC2 and
 Prefix GRPO on 128, so that problems come back for readiness; RPO on 512, one cached answer each; GRPO and
@@ -13,7 +14,9 @@ that AC2's critic becomes ready at the paper's thresholds inside the comparison;
 their epochs (96 and 100 steps). Nothing is tuned per method. The numbers come from the TensorBoard logs the
 scripts write. AC2 keeps a checkpoint every 10 steps (benchmarks/ac2_advantage.py reads them). Writes, under
 benchmarks/results/compare/: score_vs_flops.png, score_vs_steps.png, table.md and summary.json; finished runs
-are reused unless --fresh.
+are reused unless --fresh. `--model tiny-ac2` runs every method from the tiny AC2 setting's model instead (its critic
+was trained with the reference before the attempt, so AC2 and Prefix GRPO add --critic-reference-first) and writes
+under benchmarks/results/compare_tiny_ac2/; it has not learned CCR's packed prompts, so leave CCR out there.
 """
 
 import argparse
@@ -49,9 +52,14 @@ PAPERS = {  # the papers' own headline numbers, where a comparable quantity exis
 }
 
 
-def run(method: str, seed: int, steps: int, fresh: bool) -> Path:
+MODEL_FLAGS = {"tiny-ac2": {"ac2.py": ["--critic-reference-first"]}}  # the prompt order its critic was trained on
+
+
+def run(method: str, seed: int, steps: int, fresh: bool, model: str = "tiny") -> Path:
     script, extra, _, _ = METHODS[method]
-    name = f"cmp_{re.sub('[^a-z0-9]+', '_', method.lower()).strip('_')}_s{seed}_n{steps}"
+    extra = [*extra, "--model", model, *MODEL_FLAGS.get(model, {}).get(script, [])]
+    suffix = "" if model == "tiny" else "_" + re.sub("[^a-z0-9]+", "_", model.lower()).strip("_")
+    name = f"cmp_{re.sub('[^a-z0-9]+', '_', method.lower()).strip('_')}{suffix}_s{seed}_n{steps}"
     run_dir = ROOT / "runs" / name
     if run_dir.exists() and not fresh and (ROOT / "runs" / name / ".done").exists():
         return run_dir
@@ -81,15 +89,19 @@ def main():
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--fresh", action="store_true", help="re-run even if a finished run exists")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare"))
+    ap.add_argument("--model", default="tiny", help="every run's --model: tiny, or tiny-ac2 (the tiny AC2 setting's)")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/compare (compare_tiny_ac2 for tiny-ac2)")
     a = ap.parse_args()
+    if a.out is None:
+        a.out = str(ROOT / "benchmarks" / "results" / "_".join(["compare", *[a.model.replace("-", "_")] * (
+            a.model != "tiny")]))
     try:  # before hours of runs, not after
         import matplotlib
     except ImportError:
         sys.exit("compare.py draws its plots with matplotlib: pip install -e '.[plot]'")
     t_start = time.time()
     methods = list(dict.fromkeys(a.methods + [METHODS[m][3] for m in a.methods]))  # with their matched GRPO
-    done = {(m, s): run(m, s, a.steps, a.fresh) for s in a.seeds for m in methods}  # seed by seed
+    done = {(m, s): run(m, s, a.steps, a.fresh, a.model) for s in a.seeds for m in methods}  # seed by seed
     dirs = {m: [done[(m, s)] for s in a.seeds] for m in methods}
     logs = {m: [read_scalars(d) for d in ds] for m, ds in dirs.items()}
     run_seconds = sum(float((d / ".done").read_text()) for ds in dirs.values() for d in ds)
@@ -153,7 +165,7 @@ def main():
             ax.fill_between(x, s["score_min"], s["score_max"], alpha=0.15)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out score (tiny task, T = 1)")
-        ax.set_title(f"tiny task, {len(a.seeds)} seed(s), band = min..max")
+        ax.set_title(f"tiny task ({a.model} model), {len(a.seeds)} seed(s), band = min..max")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
@@ -173,7 +185,8 @@ def main():
                      f"{PAPERS.get(m, 'the baseline' if m.startswith('GRPO') else '-')} |")
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
-    (out / "summary.json").write_text(json.dumps({"steps": a.steps, "seeds": a.seeds, "methods": summary,
+    (out / "summary.json").write_text(json.dumps({"steps": a.steps, "seeds": a.seeds, "model": a.model,
+                                                  "methods": summary,
                                                   "wall_seconds": round(time.time() - t_start, 1),
                                                   "training_runs_seconds": round(run_seconds, 1)}, indent=2))
     print(table)

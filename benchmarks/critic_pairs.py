@@ -102,9 +102,24 @@ def make_pairs(kind: str, n: int, seed: int, where: str = "last") -> list[tuple[
     return pairs
 
 
+def critic_values(llm, tok, args, pairs, with_reference: bool) -> tuple[list, list]:
+    """The critic's values of each pair's right and wrong prefix, read as AC2 reads them (`critic_context` with the
+    problem's reference solution or none, `query_critic`: greedy, None where the output is not a value)."""
+    contexts = []
+    for p, right, wrong in pairs:
+        prompt = ac2.encode_chat(tok, args.prompt_template.format(problem=p["problem"]))
+        numbers = [int(x) for x in p["problem"][len("Add: "):].split("+")]
+        reference = tiny_solution(numbers) if with_reference else None
+        for attempt in (right, wrong):
+            contexts.append(ac2.critic_context(prompt, tok(attempt, add_special_tokens=False)["input_ids"],
+                                               reference, tok, args))
+    values = [v for v, _ in ac2.query_critic(llm, contexts, tok, 1024)]
+    return values[0::2], values[1::2]
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="a model folder (default: the model ac2.py --tiny uses)")
+    ap.add_argument("--model", default=None, help="a model folder or tiny-ac2 (default: the model ac2.py --tiny uses)")
     ap.add_argument("--pairs", type=int, default=120, help="pairs per set")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--critic-reference-first", action="store_true",
@@ -113,7 +128,7 @@ def main():
     a = ap.parse_args()
     args = ac2.tiny_args()
     args.critic_reference_first = a.critic_reference_first
-    model = a.model or ac2.resolve_model(args.model)
+    model = ac2.resolve_model(a.model or args.model)
     llm = engine.create_engine(model, max_model_len=1024, seed=a.seed)
     tok = build_tokenizer()
     sets = {"seen: +-1/+-10, last line": ("seen: +-1/+-10", "last", True),
@@ -130,16 +145,8 @@ def main():
               "sets": {}}
     for s, (name, (kind, where, with_reference)) in enumerate(sets.items()):
         pairs = make_pairs(kind, a.pairs, seed=1000 * a.seed + s, where=where)
-        contexts = []
-        for p, right, wrong in pairs:
-            prompt = ac2.encode_chat(tok, args.prompt_template.format(problem=p["problem"]))
-            numbers = [int(x) for x in p["problem"][len("Add: "):].split("+")]
-            reference = tiny_solution(numbers) if with_reference else None
-            for attempt in (right, wrong):
-                contexts.append(ac2.critic_context(prompt, tok(attempt, add_special_tokens=False)["input_ids"],
-                                                   reference, tok, args))
-        values = [v for v, _ in ac2.query_critic(llm, contexts, tok, 1024)]
-        right_v, wrong_v = values[0::2], values[1::2]
+        right_v, wrong_v = critic_values(llm, tok, args, pairs, with_reference)
+        values = right_v + wrong_v
         higher = sum(r is not None and w is not None and r > w for r, w in zip(right_v, wrong_v))
         result["sets"][name] = {
             "pairs": len(pairs), "right_higher": higher, "accuracy": round(higher / len(pairs), 3),

@@ -225,10 +225,12 @@ def build_tokenizer(vocab_size: int | None = None):
 
 
 def resolve_model(name: str) -> str:
-    """What `--model` names: `tiny` (the built-in model), `random:<config.json>` (random weights of that shape) or
-    a hub id / local folder, returned as is."""
+    """What `--model` names: `tiny` (the built-in model), `tiny-ac2` (the tiny AC2 setting's), `random:<config.json>`
+    (random weights of that shape) or a hub id / local folder, returned as is."""
     if name == "tiny":
         return tiny_model_path()
+    if name == "tiny-ac2":
+        return tiny_ac2_model_path()
     if name.startswith("random:"):
         return random_model_path(name[len("random:"):])
     return name
@@ -276,6 +278,36 @@ def recipe_hash(recipe: TinyRecipe = RECIPE) -> str:
 
 
 SHIPPED = Path(__file__).parent / "tiny_model"  # the built model, in the repository: the same weights everywhere
+
+
+# The tiny AC2 setting's model (`--model tiny-ac2`, docs/ac2.md "Can the tiny critic learn to judge?"): the tiny
+# model's shape, built by benchmarks/build_tiny_ac2.py as phases of benchmarks/critic_probe.py, each from the last one's
+# weights with a fresh optimizer. First the critic alone, with the reference before the attempt (ac2.py's
+# --critic-reference-first) and a training-only dense label ("has the attempt gone wrong by here"); then solving beside
+# it. The order matters: solving from the start erases the comparison (attempts N3, O2, O3, P2).
+TINY_AC2_RECIPE = {
+    "common": "--ref-first --pair-frac 1.0 --ref-prob 1.0 --flag-weight 1.0 --seed 0",
+    "phases": [
+        "--init scratch --cycle c --short-steps 600 --value-from 600 --lr 1e-3 --schedule constant --steps 3000",
+        "--cycle cs --lr 3e-4 --schedule constant --steps 1200",
+        "--cycle cs --lr 1e-3 --schedule constant --steps 900",
+        "--cycle cs --lr 1e-3 --schedule constant --steps 1500",
+        "--cycle cs --lr 3e-3 --warmup 50 --schedule cosine --steps 900",
+        "--cycle cs --lr 3e-3 --warmup 50 --schedule cosine --steps 900",
+    ],
+    "version": 1,  # bump when critic_probe.py's training or the task changes
+}
+SHIPPED_AC2 = Path(__file__).parent / "tiny_ac2_model"
+
+
+def tiny_ac2_model_path() -> str:
+    """The shipped tiny AC2 model, checked against its recipe (it takes ~2.5 hours on 2 cores to build, so it is
+    never built on first use: benchmarks/build_tiny_ac2.py builds it)."""
+    record = SHIPPED_AC2 / "tiny_build.json"
+    if not record.exists() or json.loads(record.read_text())["recipe"] != TINY_AC2_RECIPE:
+        raise FileNotFoundError(f"{SHIPPED_AC2} is missing or was built from another recipe than TINY_AC2_RECIPE; "
+                                f"build it with: python benchmarks/build_tiny_ac2.py --out {SHIPPED_AC2}")
+    return str(SHIPPED_AC2)
 
 
 def shipped_recipe_hash() -> str | None:

@@ -208,6 +208,16 @@ def test_critic_context_and_target_tokens():
     assert tok.decode(ac2.critic_target(0.0, tok)) == "0<|im_end|>"
 
 
+def test_the_tiny_ac2_model_read_in_the_other_order_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    # its critic learned the reference before the attempt; read the paper's way it is blind (docs/ac2.md)
+    monkeypatch.chdir(tmp_path)
+    args = ac2.tiny_args()
+    args.model = "tiny-ac2"
+    with pytest.raises(SystemExit, match="add --critic-reference-first"):
+        ac2.main(args)
+    assert list(tmp_path.iterdir()) == []  # no run folder, no checkpoint
+
+
 def test_critic_reference_first_closes_the_problems_turn_and_leaves_the_instruction_without_it():
     tok = build_tokenizer()
     args = ac2.Args(short_critic_instruction=True, critic_reference_first=True)
