@@ -2,13 +2,14 @@
 
     python benchmarks/tiny_model.py [--samples 8]      # the shipped model (common/tiny_model/)
     python benchmarks/tiny_model.py --rebuild          # rebuild it from its recipe (~20 min on 2 cores) and compare
+    python benchmarks/tiny_model.py --model tiny-ac2   # the tiny AC2 setting's model (common/tiny_ac2_model/)
 
 Reports the build's wall time and final SFT loss, then held-out accuracy sampling at T = 1 (what the tiny
 configurations train and evaluate with), at the paper's evaluation settings (T 0.8 / top-p 0.95 / top-k 20) and
 greedy, by difficulty (number of terms). With --rebuild, the model is rebuilt from scratch into the cache
 ($TINY_RL_CACHE or ~/.cache/tiny-rl) and compared with the shipped weights: the build is deterministic on one
 machine but floating-point kernels differ between CPUs, which is why the repository ships the weights.
-Writes benchmarks/results/tiny_model.json (the shipped model) or tiny_model_rebuild.json.
+Writes benchmarks/results/tiny_model.json (the shipped model), tiny_model_rebuild.json or tiny_model_tiny_ac2.json.
 """
 
 import argparse
@@ -19,19 +20,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import engine
-from common.tiny import SHIPPED, build_tokenizer, tiny_dataset, tiny_model_path, tiny_reward
+from common.tiny import SHIPPED, build_tokenizer, resolve_model, tiny_dataset, tiny_model_path, tiny_reward
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=8, help="samples per held-out problem")
     ap.add_argument("--rebuild", action="store_true", help="rebuild from the recipe and compare with the shipped")
+    ap.add_argument("--model", default="tiny", choices=["tiny", "tiny-ac2"], help="which shipped model")
     args = ap.parse_args()
     t0 = time.time()
-    path = tiny_model_path(rebuild=args.rebuild)
+    if args.model == "tiny-ac2" and args.rebuild:
+        ap.error("tiny-ac2 is rebuilt by benchmarks/build_tiny_ac2.py (~2 hours)")
+    path = tiny_model_path(rebuild=args.rebuild) if args.model == "tiny" else resolve_model(args.model)
     build = json.loads((Path(path) / "tiny_build.json").read_text())
-    print(f"tiny model at {path} (ready in {time.time() - t0:.1f}s; its build took {build['build_seconds']}s, "
-          f"SFT loss {build['sft_loss_first']} -> {build['sft_loss_last']})")
+    losses = f"SFT loss {build['sft_loss_first']} -> {build['sft_loss_last']}" if "sft_loss_last" in build else \
+        "its phases' logs in build_logs/"
+    print(f"{args.model} model at {path} (ready in {time.time() - t0:.1f}s; its build took {build['build_seconds']}s, "
+          f"{losses})")
     from vllm import SamplingParams
 
     llm = engine.create_engine(path, max_model_len=512, seed=0)
@@ -45,7 +51,7 @@ def main():
         "sampled_T0.8_p0.95_k20": dict(n=args.samples, temperature=0.8, top_p=0.95, top_k=20),
         "greedy": dict(n=1, temperature=0.0),
     }
-    result = {"build_seconds": build["build_seconds"], "sft_loss_last": build["sft_loss_last"],
+    result = {"model": args.model, "build_seconds": build["build_seconds"], "sft_loss_last": build.get("sft_loss_last"),
               "recipe": build["recipe"], "accuracy": {}}
     if args.rebuild:
         from safetensors.torch import load_file
@@ -70,7 +76,8 @@ def main():
             f"{k}_terms": round(sum(v) / len(v), 3) for k, v in sorted(by_difficulty.items())}}
         print(f"{name:>24}: {acc:.3f}  by terms: " + " ".join(
             f"{k}:{sum(v) / len(v):.2f}" for k, v in sorted(by_difficulty.items())))
-    out = Path(__file__).parent / "results" / f"tiny_model{'_rebuild' if args.rebuild else ''}.json"
+    suffix = "_rebuild" if args.rebuild else "" if args.model == "tiny" else "_" + args.model.replace("-", "_")
+    out = Path(__file__).parent / "results" / f"tiny_model{suffix}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
