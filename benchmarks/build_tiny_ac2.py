@@ -2,6 +2,8 @@
 
     python benchmarks/build_tiny_ac2.py --out common/tiny_ac2_model     # ~2.5 hours on 2 cores
     python benchmarks/build_tiny_ac2.py --dry-run                       # print the phases' commands
+    python benchmarks/build_tiny_ac2.py --continue-from common/tiny_ac2_model --out common/tiny_ac2_model
+                                        # a recipe that adds phases: run only the new ones, from the built model
 
 Runs benchmarks/critic_probe.py once per phase, each from the last phase's weights (a fresh optimizer and a fresh
 training-only probe every time), with the recipe's common flags. The first phase trains the critic alone from random
@@ -32,11 +34,20 @@ def main():
     ap.add_argument("--out", default="checkpoints/tiny_ac2_build", help="where the built model goes")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (changes floats only)")
     ap.add_argument("--dry-run", action="store_true", help="print the phases' commands and exit")
+    ap.add_argument("--continue-from", default=None,
+                    help="a build whose recipe's phases begin this recipe's: run only the phases after them")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     work = out.parent / f".{out.name}.build-{os.getpid()}"
-    commands, init = [], None
-    for i, phase in enumerate(TINY_AC2_RECIPE["phases"]):
+    commands, init, done, start = [], None, 0, None
+    if args.continue_from:
+        init = start = Path(args.continue_from).resolve()
+        earlier = json.loads((start / "tiny_build.json").read_text())["recipe"]
+        done = len(earlier["phases"])
+        if {**earlier, "phases": None} != {**TINY_AC2_RECIPE, "phases": None} \
+                or earlier["phases"] != TINY_AC2_RECIPE["phases"][:done]:
+            sys.exit(f"{init} was not built from the first phases of TINY_AC2_RECIPE: build from scratch")
+    for i, phase in enumerate(TINY_AC2_RECIPE["phases"][done:], start=done):
         cmd = [sys.executable, str(ROOT / "benchmarks" / "critic_probe.py"), *shlex.split(TINY_AC2_RECIPE["common"]),
                *shlex.split(phase)]
         steps = int(cmd[cmd.index("--steps") + 1])
@@ -50,10 +61,13 @@ def main():
         return
     t0 = time.time()
     (work / "build_logs").mkdir(parents=True)
-    for i, cmd in enumerate(commands):
+    if start:  # the earlier phases' logs and time carry over
+        shutil.copytree(start / "build_logs", work / "build_logs", dirs_exist_ok=True)
+        t0 -= json.loads((start / "tiny_build.json").read_text())["build_seconds"]
+    for i, cmd in enumerate(commands, start=done):
         log = work / "build_logs" / f"phase_{i + 1}.log"
         shown = shlex.join(cmd[1:]).replace(f"{ROOT}/", "")  # the log ships: no path of the building machine
-        print(f"phase {i + 1}/{len(commands)}: {shown}  (log: {log})", flush=True)
+        print(f"phase {i + 1}/{done + len(commands)}: {shown}  (log: {log})", flush=True)
         with open(log, "w") as f:
             f.write(shown + "\n")
             f.flush()
@@ -61,7 +75,7 @@ def main():
                 sys.exit(f"phase {i + 1} failed; its log: {log}")
         print(f"  done at {time.time() - t0:.0f}s: {log.read_text().splitlines()[-1][:300]}", flush=True)
     final = work / "model"
-    shutil.copytree(init, final, ignore=shutil.ignore_patterns("step_*"))
+    shutil.copytree(init, final, ignore=shutil.ignore_patterns("step_*", "build_logs", "tiny_build.json"))
     shutil.copytree(work / "build_logs", final / "build_logs")
     record = {"recipe": TINY_AC2_RECIPE, "build_seconds": round(time.time() - t0, 1), "threads": args.threads}
     (final / "tiny_build.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -2,11 +2,24 @@
 
 import dataclasses
 import json
+import shlex
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
-from common.tiny import RECIPE, SHIPPED, TinyRecipe, recipe_hash, shipped_recipe_hash, tiny_model_path
+import common.tiny
+from common.tiny import (
+    RECIPE,
+    SHIPPED,
+    SHIPPED_AC2,
+    TINY_AC2_RECIPE,
+    TinyRecipe,
+    recipe_hash,
+    resolve_model,
+    shipped_recipe_hash,
+    tiny_model_path,
+)
 
 
 def test_the_shipped_model_is_used_and_is_the_recipes(tmp_path, monkeypatch):
@@ -55,3 +68,57 @@ def test_the_warm_starts_critic_prompt_is_ac2s():
             ids = tiny_critic_context(tok, "Add: 33+95+46", attempt, ref)
             assert ids == ac2.critic_context(ac2.encode_chat(tok, "Add: 33+95+46"), attempt, ref, tok, args)
             assert tok.decode(ids).count("Reference") == (ref is not None)  # so both cases were really built
+
+
+def test_the_tiny_ac2_model_ships_with_its_recipe_and_each_phases_log():
+    assert Path(resolve_model("tiny-ac2")) == SHIPPED_AC2 == ROOT / "common" / "tiny_ac2_model"
+    record = json.loads((SHIPPED_AC2 / "tiny_build.json").read_text())
+    assert record["recipe"] == TINY_AC2_RECIPE
+    logs = sorted((SHIPPED_AC2 / "build_logs").glob("phase_*.log"))
+    assert len(logs) == len(TINY_AC2_RECIPE["phases"]) == 6
+    for log, phase in zip(logs, TINY_AC2_RECIPE["phases"]):  # each log is headed by the command that ran it
+        command = log.read_text().splitlines()[0]
+        assert command.split()[0].endswith("critic_probe.py")
+        assert shlex.join(shlex.split(TINY_AC2_RECIPE["common"]) + shlex.split(phase)) in command
+    # the tiny model's shape and tokenizer: vLLM serves it as it serves `tiny`, and the tiny task's prompts are its own
+    ac2_config, config = (json.loads((d / "config.json").read_text()) for d in (SHIPPED_AC2, SHIPPED))
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size", "eos_token_id"):
+        assert ac2_config[key] == config[key], key
+    assert (SHIPPED_AC2 / "tokenizer.json").read_text() == (SHIPPED / "tokenizer.json").read_text()
+    assert (SHIPPED_AC2 / "model.safetensors").stat().st_size < 16e6
+
+
+def test_a_missing_or_stale_tiny_ac2_build_is_refused_with_the_command_that_builds_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(common.tiny, "SHIPPED_AC2", tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"python benchmarks/build_tiny_ac2\.py --out"):
+        resolve_model("tiny-ac2")
+    stale = {**TINY_AC2_RECIPE, "phases": TINY_AC2_RECIPE["phases"][:-1]}
+    (tmp_path / "tiny_build.json").write_text(json.dumps({"recipe": stale}))
+    with pytest.raises(FileNotFoundError, match="another recipe"):
+        resolve_model("tiny-ac2")
+
+
+def test_the_tiny_ac2_builder_chains_the_phases_and_continues_only_a_build_of_the_recipes_first_phases(tmp_path):
+    import subprocess
+    import sys
+
+    script = ROOT / "benchmarks" / "build_tiny_ac2.py"
+    dry = subprocess.run([sys.executable, script, "--dry-run", "--out", tmp_path / "m"], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert len(dry) == len(TINY_AC2_RECIPE["phases"])
+    outs = [shlex.split(c)[shlex.split(c).index("--out") + 1] for c in dry]
+    inits = [shlex.split(c)[shlex.split(c).index("--init") + 1] for c in dry]
+    assert inits == ["scratch", *outs[:-1]]  # each phase starts from the last one's weights
+    for command, phase in zip(dry, TINY_AC2_RECIPE["phases"]):
+        assert shlex.join(shlex.split(TINY_AC2_RECIPE["common"]) + shlex.split(phase)) in command
+    # the shipped build has every phase: nothing to continue; a build of other phases is refused
+    assert subprocess.run([sys.executable, script, "--dry-run", "--continue-from", SHIPPED_AC2], capture_output=True,
+                          text=True, check=True).stdout.strip() == ""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tiny_build.json").write_text(json.dumps(
+        {"recipe": {**TINY_AC2_RECIPE, "phases": ["--cycle c --steps 10"]}, "build_seconds": 1.0}))
+    refused = subprocess.run([sys.executable, script, "--dry-run", "--continue-from", other], capture_output=True,
+                             text=True)
+    assert refused.returncode != 0 and "was not built from the first phases" in refused.stderr
