@@ -1,6 +1,6 @@
 """Build the tiny AC2 setting's model (`--model tiny-ac2`) from its recipe, TINY_AC2_RECIPE in common/tiny.py.
 
-    python benchmarks/build_tiny_ac2.py --out common/tiny_ac2_model     # ~2.5 hours on 2 cores
+    python benchmarks/build_tiny_ac2.py --out common/tiny_ac2_model     # ~2.3 hours on 2 cores (8,462 s)
     python benchmarks/build_tiny_ac2.py --dry-run                       # print the phases' commands
     python benchmarks/build_tiny_ac2.py --continue-from common/tiny_ac2_model --out common/tiny_ac2_model
                                         # a recipe that adds phases: run only the new ones, from the built model

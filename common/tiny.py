@@ -280,7 +280,7 @@ def recipe_hash(recipe: TinyRecipe = RECIPE) -> str:
 SHIPPED = Path(__file__).parent / "tiny_model"  # the built model, in the repository: the same weights everywhere
 
 
-# The tiny AC2 setting's model (`--model tiny-ac2`, docs/ac2.md "Can the tiny critic learn to judge?"): the tiny
+# The tiny AC2 setting's model (`--model tiny-ac2`, docs/ac2.md "The tiny AC2 setting"): the tiny
 # model's shape, built by benchmarks/build_tiny_ac2.py as phases of benchmarks/critic_probe.py, each from the last one's
 # weights with a fresh optimizer. First the critic alone, with the reference before the attempt (ac2.py's
 # --critic-reference-first) and a training-only dense label ("has the attempt gone wrong by here"); then solving beside
@@ -301,7 +301,7 @@ SHIPPED_AC2 = Path(__file__).parent / "tiny_ac2_model"
 
 
 def tiny_ac2_model_path() -> str:
-    """The shipped tiny AC2 model, checked against its recipe (it takes ~2.5 hours on 2 cores to build, so it is
+    """The shipped tiny AC2 model, checked against its recipe (it takes ~2.3 hours on 2 cores to build, so it is
     never built on first use: benchmarks/build_tiny_ac2.py builds it)."""
     record = SHIPPED_AC2 / "tiny_build.json"
     if not record.exists() or json.loads(record.read_text())["recipe"] != TINY_AC2_RECIPE:
