@@ -6,14 +6,16 @@
 
 Reports the build's wall time and final SFT loss, then held-out accuracy sampling at T = 1 (what the tiny
 configurations train and evaluate with), at the paper's evaluation settings (T 0.8 / top-p 0.95 / top-k 20) and
-greedy, by difficulty (number of terms). With --rebuild, the model is rebuilt from scratch into the cache
-($TINY_RL_CACHE or ~/.cache/tiny-rl) and compared with the shipped weights: the build is deterministic on one
-machine but floating-point kernels differ between CPUs, which is why the repository ships the weights.
+greedy, by difficulty (number of terms), with how many of the responses' first-pass additions are right. With
+--rebuild, the model is rebuilt from scratch into the cache ($TINY_RL_CACHE or ~/.cache/tiny-rl) and compared with
+the shipped weights: the build is deterministic on one machine but floating-point kernels differ between CPUs,
+which is why the repository ships the weights.
 Writes benchmarks/results/tiny_model.json (the shipped model), tiny_model_rebuild.json or tiny_model_tiny_ac2.json.
 """
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import engine
 from common.tiny import SHIPPED, build_tokenizer, resolve_model, tiny_dataset, tiny_model_path, tiny_reward
+
+
+def additions_right(response: str) -> tuple[int, int]:
+    """Of a tiny response's first-pass running sums (the lines `a+b=c` before `check:` or `</think>`), how many add
+    up, each judged on its own operands (a wrong sum carried forward does not make the next line wrong): whether a
+    policy that misses the answer misses the arithmetic or something else."""
+    first_pass = response.split("</think>")[0].split("check:")[0]
+    sums = [tuple(map(int, m)) for m in re.findall(r"^(\d+)\+(\d+)=(\d+)$", first_pass, re.M)]
+    return sum(a + b == c for a, b, c in sums), len(sums)
 
 
 def main():
@@ -66,16 +77,19 @@ def main():
     for name, kw in settings.items():
         params = [SamplingParams(max_tokens=200, seed=i, **kw) for i in range(len(test))]
         groups = engine.generate(llm, prompts, params)
-        by_difficulty = {}
+        by_difficulty, sums = {}, [0, 0]
         for p, g in zip(test, groups):
             for c in g:
-                r = tiny_reward(tok.decode(c.token_ids, skip_special_tokens=True), p["answer"])
-                by_difficulty.setdefault(p["difficulty"], []).append(r)
+                text = tok.decode(c.token_ids, skip_special_tokens=True)
+                by_difficulty.setdefault(p["difficulty"], []).append(tiny_reward(text, p["answer"]))
+                sums = [x + y for x, y in zip(sums, additions_right(text))]
         acc = sum(sum(v) for v in by_difficulty.values()) / sum(len(v) for v in by_difficulty.values())
         result["accuracy"][name] = {"all": round(acc, 3), **{
-            f"{k}_terms": round(sum(v) / len(v), 3) for k, v in sorted(by_difficulty.items())}}
+            f"{k}_terms": round(sum(v) / len(v), 3) for k, v in sorted(by_difficulty.items())},
+            "first_pass_additions_right": f"{sums[0]} of {sums[1]}"}
         print(f"{name:>24}: {acc:.3f}  by terms: " + " ".join(
-            f"{k}:{sum(v) / len(v):.2f}" for k, v in sorted(by_difficulty.items())))
+            f"{k}:{sum(v) / len(v):.2f}" for k, v in sorted(by_difficulty.items()))
+            + f"  first-pass additions right: {sums[0]} of {sums[1]}")
     suffix = "_rebuild" if args.rebuild else "" if args.model == "tiny" else "_" + args.model.replace("-", "_")
     out = Path(__file__).parent / "results" / f"tiny_model{suffix}.json"
     out.parent.mkdir(exist_ok=True)

@@ -19,6 +19,7 @@ from common.tiny import (
     resolve_model,
     shipped_recipe_hash,
     tiny_model_path,
+    tiny_solution,
 )
 
 
@@ -122,3 +123,17 @@ def test_the_tiny_ac2_builder_chains_the_phases_and_continues_only_a_build_of_th
     refused = subprocess.run([sys.executable, script, "--dry-run", "--continue-from", other], capture_output=True,
                              text=True)
     assert refused.returncode != 0 and "was not built from the first phases" in refused.stderr
+
+
+def test_tiny_model_counts_the_first_pass_additions_each_on_its_own_operands():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tiny_model import additions_right
+
+    assert additions_right(tiny_solution([24, 10, 21], check=True)) == (2, 2)  # 24+10=34, 34+21=55; the check ignored
+    # 24+10=39 is wrong; 39+21=60 adds up on its own operands although it carries the slip; the check pass and the
+    # answer section are not counted
+    wrong = "24+10=39\n39+21=60\ncheck:\n24+10=39\n39+21=61\n</think>\n\n\\boxed{60}\n1+1=3"
+    assert additions_right(wrong) == (1, 2)
+    assert additions_right("I think it is 55\n</think>\n\n\\boxed{55}") == (0, 0)
