@@ -83,6 +83,12 @@ def flops_to_reach(scores: list[float], flops: list[float], target: float) -> fl
     return None
 
 
+def flops_ratio(matched: float | None, own: float | None) -> float | None:
+    """The matched GRPO's decoding FLOPs over the method's, to the same score. None where it has no meaning: GRPO
+    never reached that score, or the method's peak is its starting score (both spent nothing to get there)."""
+    return None if matched is None or not own else matched / own
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
@@ -147,8 +153,7 @@ def main():
         base = summary[s["matched_grpo"]]
         s["flops_to_own_peak"] = flops_to_reach(s["score_mean"], s["flops_mean"], s["peak_score"])
         s["matched_flops_to_same_score"] = flops_to_reach(base["score_mean"], base["flops_mean"], s["peak_score"])
-        s["flops_ratio_at_own_peak"] = None if s["matched_flops_to_same_score"] is None else \
-            s["matched_flops_to_same_score"] / s["flops_to_own_peak"]
+        s["flops_ratio_at_own_peak"] = flops_ratio(s["matched_flops_to_same_score"], s["flops_to_own_peak"])
 
     # plots: held-out score against decoding FLOPs (AC2 Figure 1's axis) and against steps, band = min..max
     matplotlib.use("Agg")
@@ -177,11 +182,12 @@ def main():
              "| generated tokens / step | new tokens / sample | decoding FLOPs to its peak: it / matched GRPO (ratio) "
              "| s / step (median) | the paper says |", "|-|-|-|-|-|-|-|-|-|-|"]
     for m, s in summary.items():
+        ratio = "peak at the start" if s["flops_to_own_peak"] == 0 else fmt(s["flops_ratio_at_own_peak"], "{:.2f}x")
         lines.append(f"| {m} | {s['training_problems']:,} | {s['start_score']:.3f} -> {s['peak_score']:.3f} "
                      f"({s['final_score']:.3f}) | {s['final_train_score']:.3f} | {s['final_gap']:+.3f} | "
                      f"{s['generated_tokens_per_step']:,.0f} | {s['new_tokens_per_sample']:.1f} | "
                      f"{fmt(s['flops_to_own_peak'])} / {fmt(s['matched_flops_to_same_score'])} "
-                     f"({fmt(s['flops_ratio_at_own_peak'], '{:.2f}x')}) | {s['seconds_per_step']:.2f} | "
+                     f"({ratio}) | {s['seconds_per_step']:.2f} | "
                      f"{PAPERS.get(m, 'the baseline' if m.startswith('GRPO') else '-')} |")
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")

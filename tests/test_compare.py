@@ -1,0 +1,25 @@
+"""benchmarks/compare.py's FLOPs-to-a-score reading: where a curve first reaches a score, and the ratio to GRPO's."""
+
+import sys
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import compare
+
+
+def test_flops_to_reach_interpolates_between_evaluations_and_the_ratio_is_grpos_over_the_methods():
+    flops = [0.0, 1e9, 2e9, 3e9]
+    assert compare.flops_to_reach([0.1, 0.3, 0.5, 0.4], flops, 0.5) == 2e9
+    assert compare.flops_to_reach([0.1, 0.3, 0.5, 0.4], flops, 0.4) == 1.5e9  # halfway from 0.3 to 0.5
+    assert compare.flops_to_reach([0.1, 0.3, 0.5, 0.4], flops, 0.6) is None
+    grpo = compare.flops_to_reach([0.1, 0.2, 0.3, 0.5], [0.0, 2e9, 4e9, 6e9], 0.4)  # 5e9
+    assert compare.flops_ratio(grpo, 2e9) == 2.5
+
+
+def test_a_method_whose_peak_is_its_start_has_no_flops_ratio():
+    # a run that only gets worse peaks at step 0, where both it and GRPO have spent 0 FLOPs: no ratio, no crash
+    own = compare.flops_to_reach([0.045, 0.03, 0.01], [0.0, 1e9, 2e9], 0.045)
+    assert own == 0.0
+    assert compare.flops_ratio(compare.flops_to_reach([0.045, 0.04], [0.0, 1e9], 0.045), own) is None
+    assert compare.flops_ratio(None, 1e9) is None  # GRPO never got there
