@@ -83,5 +83,7 @@ else
 fi
 report
 cat "$OUT"
+! grep -q '"status": "failed' "$STAGES"  # the exit status: any stage failed (read before $WORK goes)
+status=$?
 rm -rf "$WORK"
-! grep -q '"status": "failed' "$STAGES"
+exit $status

@@ -60,9 +60,32 @@ def train_flops(params: int, layers: int, q: int, tokens: int, context: float, c
     return forward * (4 if checkpointing else 3)
 
 
+def allocator_peaks(parallel):
+    """parallel.Peaks that also keeps, per phase, the CUDA allocator's own peaks: what tensors held (allocated) and
+    what the allocator had taken from the GPU (reserved). The device-level peak less `reserved` is what lies outside
+    the allocator (CUDA context, NCCL); `reserved` less `allocated` is its cache of freed blocks."""
+
+    class AllocatorPeaks(parallel.Peaks):
+        def __init__(self):
+            super().__init__()
+            self.allocator: dict[str, tuple[float, float]] = {}
+
+        def end(self, name: str) -> None:
+            super().end(name)
+            import torch
+
+            if torch.cuda.is_available():
+                now = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
+                self.allocator[name] = tuple(map(max, self.allocator.get(name, (0.0, 0.0)), now))
+
+    return AllocatorPeaks()
+
+
 def phase(peaks, planned: dict, name: str) -> dict:
-    """A phase's device-level peak (GiB) and, on GPU, the plan's prediction for it."""
+    """A phase's device-level peak (GiB), on GPU the allocator's (allocated, reserved) and the plan's prediction."""
+    allocated, reserved = getattr(peaks, "allocator", {}).get(name, (None, None))
     return {"memory_gib": round(peaks.peaks.get(name, 0.0), 2),
+            **({"allocated_gib": round(allocated, 2), "reserved_gib": round(reserved, 2)} if allocated else {}),
             **({"plan_gib": round(sum(planned[name].values()), 2)} if name in planned else {})}
 
 
@@ -183,7 +206,7 @@ def main():
     spec = {k: v for k, v in json.loads(Path(a.config).read_text()).items()
             if not k.startswith("_") and k != "architectures"}
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    peaks = parallel.Peaks()
+    peaks = allocator_peaks(parallel)
 
     def build():
         peaks.start()
@@ -222,6 +245,7 @@ def main():
         run(f"critic_step_{length}", functools.partial(critic_stage, model, critic_opt, rows, cargs, peaks, planned))
         model.zero_grad(set_to_none=True)
         peaks.pop()
+        peaks.allocator = {}
         if gpu:
             torch.cuda.empty_cache()
     del optimizer, critic_opt

@@ -267,19 +267,20 @@ class Peaks:
     On GPU the figure is device-level -- what the GPU has in use, as the plan counts it -- not the CUDA allocator's
     peak: a sleeping vLLM unmaps its weights and KV cache but its tensors stay allocated in its pool, so the
     allocator would count ~50 GiB that the GPU does not hold while the trainer works. The peak is what was in use
-    at the start, plus the allocator's growth above its own start during the phase (the sleeping tensors cancel
-    out), and at least what is in use at the end (vLLM resets the allocator's peak counters while it starts up, so
-    `engine_start` is a lower bound). On CPU it is the process's peak resident set (Linux)."""
+    at the start, plus what the allocator took from the GPU during the phase (its reserved memory's growth: the
+    sleeping tensors cancel out, and freed blocks it reuses from its cache are already in the start's figure, so
+    they are not counted twice), and at least what is in use at the end (vLLM resets the allocator's peak counters
+    while it starts up, so `engine_start` is a lower bound). On CPU it is the process's peak resident set (Linux)."""
 
     def __init__(self):
         self.peaks: dict[str, float] = {}
-        self.at_start = self.allocated_at_start = 0.0
+        self.at_start = self.reserved_at_start = 0.0
 
     def start(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            self.allocated_at_start = torch.cuda.memory_allocated() / 2**30
+            self.reserved_at_start = torch.cuda.memory_reserved() / 2**30
             self.at_start = device_used_gib()
         else:
             try:  # "5" resets the kernel's peak-RSS counter (VmHWM) of this process
@@ -291,7 +292,7 @@ class Peaks:
     def end(self, phase: str) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-            grown = torch.cuda.max_memory_allocated() / 2**30 - self.allocated_at_start
+            grown = max(0.0, torch.cuda.max_memory_reserved() / 2**30 - self.reserved_at_start)
             peak = max(device_used_gib(), self.at_start + grown)
         else:
             peak = _proc_status_gib("VmHWM")
