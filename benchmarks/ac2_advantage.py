@@ -16,9 +16,11 @@ carry their verifier reward in both. Per group, advantages A_i = v_i - mean_j v_
 from the critic against the same from the Monte-Carlo values, compared on the consumed rows: sign agreement
 (where the Monte-Carlo advantage is at least half a grid step, 0.05, from 0), Pearson correlation, mean absolute
 error; the share of chunks the critic gave no advantage at all (every chunk of the group valued alike; such a
-chunk counts as a sign disagreement); and the critic's value error. Before readiness AC2 does not use the
-critic: those numbers say what trusting it then would have given. "ready" restricts to problems the
-checkpoint's table holds ready.
+chunk counts as a sign disagreement), split into those Monte Carlo also values alike (|A_MC| < 0.05: a right
+tie, as in a group cut after a wrong sum) and those it does not (a miss), with the sign agreement where the critic
+did give an advantage; the share of chunks from which no rollout finishes right; and the critic's value error.
+Before readiness AC2 does not use the critic: those numbers say what trusting it then would have given. "ready"
+restricts to problems the checkpoint's table holds ready.
 Writes benchmarks/results/ac2_advantage.json (or --out).
 """
 
@@ -115,6 +117,14 @@ def analyse(llm, ckpt: Path, groups: int, rollouts: int, seed: int, reference_fi
             else None,
             "chunks_with_a_clear_mc_sign": int(clear.sum()),
             "critic_advantage_zero": round(float(np.mean(a_c == 0)), 3),  # the critic saw no difference
+            # ...split by whether Monte Carlo saw one: a tie among siblings Monte Carlo also values alike (a group
+            # cut after a wrong sum: every continuation is worth 0) is right; a tie where it does not is a miss
+            "critic_advantage_zero_mc_flat": round(float(np.mean((a_c == 0) & ~clear)), 3),
+            "critic_advantage_zero_mc_clear": round(float(np.mean((a_c == 0) & clear)), 3),
+            "sign_agreement_where_critic_nonzero": round(float(np.mean(
+                np.sign(a_c[clear & (a_c != 0)]) == np.sign(a_m[clear & (a_c != 0)]))), 3)
+            if (clear & (a_c != 0)).any() else None,
+            "mc_value_zero": round(float(np.mean(v_m == 0)), 3),  # no rollout of R finishes right from the chunk
             "advantage_correlation": round(float(np.corrcoef(a_c, a_m)[0, 1]), 3) if a_c.std() and a_m.std()
             else None,
             "advantage_mae": round(float(np.mean(np.abs(a_c - a_m))), 3),

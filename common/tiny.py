@@ -294,6 +294,8 @@ TINY_AC2_RECIPE = {
         "--cycle cs --lr 1e-3 --schedule constant --steps 1500",
         "--cycle cs --lr 3e-3 --warmup 50 --schedule cosine --steps 900",
         "--cycle cs --lr 3e-3 --warmup 50 --schedule cosine --steps 900",
+        "--cycle s --lr 3e-3 --warmup 50 --schedule cosine --steps 1200",
+        "--cycle cs --lr 1e-3 --warmup 50 --schedule cosine --steps 600",
     ],
     "version": 1,  # bump when critic_probe.py's training or the task changes
 }

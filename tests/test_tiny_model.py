@@ -76,7 +76,7 @@ def test_the_tiny_ac2_model_ships_with_its_recipe_and_each_phases_log():
     record = json.loads((SHIPPED_AC2 / "tiny_build.json").read_text())
     assert record["recipe"] == TINY_AC2_RECIPE
     logs = sorted((SHIPPED_AC2 / "build_logs").glob("phase_*.log"))
-    assert len(logs) == len(TINY_AC2_RECIPE["phases"]) == 6
+    assert len(logs) == len(TINY_AC2_RECIPE["phases"]) == 8
     for log, phase in zip(logs, TINY_AC2_RECIPE["phases"]):  # each log is headed by the command that ran it
         command = log.read_text().splitlines()[0]
         assert command.split()[0].endswith("critic_probe.py")
