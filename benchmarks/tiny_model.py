@@ -3,14 +3,17 @@
     python benchmarks/tiny_model.py [--samples 8]      # the shipped model (common/tiny_model/)
     python benchmarks/tiny_model.py --rebuild          # rebuild it from its recipe (~20 min on 2 cores) and compare
     python benchmarks/tiny_model.py --model tiny-ac2   # the tiny AC2 setting's model (common/tiny_ac2_model/)
+    python benchmarks/tiny_model.py --model checkpoints/tiny_ac2_build    # a build of it (build_tiny_ac2.py --out)
 
 Reports the build's wall time and final SFT loss, then held-out accuracy sampling at T = 1 (what the tiny
 configurations train and evaluate with), at the paper's evaluation settings (T 0.8 / top-p 0.95 / top-k 20) and
-greedy, by difficulty (number of terms), with how many of the responses' first-pass additions are right. With
+greedy, by difficulty (number of terms), with how many of the responses' first-pass additions are right and how
+their first pass first goes wrong (off by 1 or 10, the warm start's slips, or otherwise). With
 --rebuild, the model is rebuilt from scratch into the cache ($TINY_RL_CACHE or ~/.cache/tiny-rl) and compared with
 the shipped weights: the build is deterministic on one machine but floating-point kernels differ between CPUs,
 which is why the repository ships the weights.
-Writes benchmarks/results/tiny_model.json (the shipped model), tiny_model_rebuild.json or tiny_model_tiny_ac2.json.
+Writes benchmarks/results/tiny_model.json (the shipped model), tiny_model_rebuild.json, tiny_model_tiny_ac2.json or
+tiny_model_<folder>.json.
 """
 
 import argparse
@@ -25,20 +28,35 @@ from common import engine
 from common.tiny import SHIPPED, build_tokenizer, resolve_model, tiny_dataset, tiny_model_path, tiny_reward
 
 
-def additions_right(response: str) -> tuple[int, int]:
-    """Of a tiny response's first-pass running sums (the lines `a+b=c` before `check:` or `</think>`), how many add
-    up, each judged on its own operands (a wrong sum carried forward does not make the next line wrong): whether a
-    policy that misses the answer misses the arithmetic or something else."""
+def first_pass_sums(response: str) -> list[tuple[int, int, int]]:
+    """A tiny response's first-pass running sums: the lines `a+b=c` before `check:` or `</think>`."""
     first_pass = response.split("</think>")[0].split("check:")[0]
-    sums = [tuple(map(int, m)) for m in re.findall(r"^(\d+)\+(\d+)=(\d+)$", first_pass, re.M)]
+    return [tuple(map(int, m)) for m in re.findall(r"^(\d+)\+(\d+)=(\d+)$", first_pass, re.M)]
+
+
+def additions_right(response: str) -> tuple[int, int]:
+    """Of a response's first-pass running sums, how many add up, each judged on its own operands (a wrong sum carried
+    forward does not make the next line wrong): whether a policy that misses the answer misses the arithmetic or
+    something else."""
+    sums = first_pass_sums(response)
     return sum(a + b == c for a, b, c in sums), len(sums)
+
+
+def first_wrong_sum(response: str) -> str:
+    """How a response's first-pass running sums first go wrong: "adds up", "off by 1", "off by 10" (the warm start's
+    slips, either sign), "off otherwise", or "no sums"."""
+    sums = first_pass_sums(response)
+    wrong = next((c - a - b for a, b, c in sums if a + b != c), None)
+    if not sums:
+        return "no sums"
+    return "adds up" if wrong is None else f"off by {abs(wrong)}" if abs(wrong) in (1, 10) else "off otherwise"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=8, help="samples per held-out problem")
     ap.add_argument("--rebuild", action="store_true", help="rebuild from the recipe and compare with the shipped")
-    ap.add_argument("--model", default="tiny", choices=["tiny", "tiny-ac2"], help="which shipped model")
+    ap.add_argument("--model", default="tiny", help="tiny, tiny-ac2 or a build's folder (benchmarks/build_tiny_ac2.py)")
     args = ap.parse_args()
     t0 = time.time()
     if args.model == "tiny-ac2" and args.rebuild:
@@ -77,20 +95,23 @@ def main():
     for name, kw in settings.items():
         params = [SamplingParams(max_tokens=200, seed=i, **kw) for i in range(len(test))]
         groups = engine.generate(llm, prompts, params)
-        by_difficulty, sums = {}, [0, 0]
+        by_difficulty, sums, kinds = {}, [0, 0], {}
         for p, g in zip(test, groups):
             for c in g:
                 text = tok.decode(c.token_ids, skip_special_tokens=True)
                 by_difficulty.setdefault(p["difficulty"], []).append(tiny_reward(text, p["answer"]))
                 sums = [x + y for x, y in zip(sums, additions_right(text))]
+                kinds[first_wrong_sum(text)] = kinds.get(first_wrong_sum(text), 0) + 1
         acc = sum(sum(v) for v in by_difficulty.values()) / sum(len(v) for v in by_difficulty.values())
         result["accuracy"][name] = {"all": round(acc, 3), **{
             f"{k}_terms": round(sum(v) / len(v), 3) for k, v in sorted(by_difficulty.items())},
-            "first_pass_additions_right": f"{sums[0]} of {sums[1]}"}
+            "first_pass_additions_right": f"{sums[0]} of {sums[1]}",
+            "first_pass": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
         print(f"{name:>24}: {acc:.3f}  by terms: " + " ".join(
             f"{k}:{sum(v) / len(v):.2f}" for k, v in sorted(by_difficulty.items()))
-            + f"  first-pass additions right: {sums[0]} of {sums[1]}")
-    suffix = "_rebuild" if args.rebuild else "" if args.model == "tiny" else "_" + args.model.replace("-", "_")
+            + f"  first-pass additions right: {sums[0]} of {sums[1]}; first pass: {kinds}")
+    label = re.sub(r"\W+", "_", args.model).strip("_")
+    suffix = "_rebuild" if args.rebuild else "" if args.model == "tiny" else f"_{label}"
     out = Path(__file__).parent / "results" / f"tiny_model{suffix}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -137,3 +137,17 @@ def test_tiny_model_counts_the_first_pass_additions_each_on_its_own_operands():
     wrong = "24+10=39\n39+21=60\ncheck:\n24+10=39\n39+21=61\n</think>\n\n\\boxed{60}\n1+1=3"
     assert additions_right(wrong) == (1, 2)
     assert additions_right("I think it is 55\n</think>\n\n\\boxed{55}") == (0, 0)
+
+
+def test_the_first_wrong_sum_is_classified_by_its_offset_from_its_own_operands():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tiny_model import first_wrong_sum
+
+    assert first_wrong_sum(tiny_solution([24, 10, 21], check=True)) == "adds up"
+    assert first_wrong_sum("<think>\n24+10=44\n44+21=65\n</think>") == "off by 10"  # the next line adds up
+    assert first_wrong_sum("<think>\n24+10=34\n34+21=54\n</think>") == "off by 1"
+    assert first_wrong_sum("<think>\n24+10=43\n43+21=64\n</think>") == "off otherwise"  # digits swapped: +9
+    assert first_wrong_sum("<think>\n24+10=34\n34+21=55\ncheck:\n24+10=35\n</think>") == "adds up"  # the check
+    assert first_wrong_sum("I think it is 55\n</think>\n\n\\boxed{55}") == "no sums"
