@@ -567,6 +567,19 @@ def evaluate(model, step, pair_sets, a, t0, probe=None):
     model.train()
 
 
+@torch.no_grad()
+def shrink_perturb(model, shrink, perturb):
+    """w <- shrink * w + perturb * w0 (Ash & Adams 2020, "On warm-starting neural network training"): a trained
+    network that has lost the plasticity to learn a second skill gets it back while keeping much of the first. w0 is
+    a fresh initialization of the same config (norm weights 1, matrices N(0, 0.02)); the seed is --seed's."""
+    from transformers import AutoModelForCausalLM
+
+    fresh = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    w0 = dict(fresh.named_parameters())
+    for name, w in model.named_parameters():
+        w.mul_(shrink).add_(w0[name], alpha=perturb)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--init", default=str(SHIPPED), help="a model folder, or 'scratch'")
@@ -575,6 +588,10 @@ def main():
     ap.add_argument("--inter", type=int, default=384, help="with --init scratch")
     ap.add_argument("--heads", type=int, default=4, help="with --init scratch")
     ap.add_argument("--grow", type=int, default=0, help="append this many decoder layers (outputs zeroed)")
+    ap.add_argument("--shrink", type=float, default=1.0,
+                    help="shrink and perturb the --init weights first (Ash & Adams 2020): w <- shrink * w + perturb * "
+                         "w0, w0 a fresh initialization of the same shape (attempts V and U, docs/ac2.md)")
+    ap.add_argument("--perturb", type=float, default=0.0, help="with --shrink: the fresh initialization's share")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--wd", type=float, default=0.01)
@@ -658,6 +675,8 @@ def main():
         model = Qwen3ForCausalLM(cfg)
     else:
         model = AutoModelForCausalLM.from_pretrained(a.init, dtype=torch.float32)
+    if a.shrink != 1.0 or a.perturb:
+        shrink_perturb(model, a.shrink, a.perturb)
     if a.grow:
         grow(model, a.grow)
     if a.frozen_probe:
