@@ -4,12 +4,13 @@ the slip its set names, on a held-out problem, with the later lines continuing f
 import sys
 
 import pytest
+import torch
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import critic_pairs
 
-from common.tiny import tiny_dataset, tiny_solution
+from common.tiny import SHIPPED, tiny_dataset, tiny_solution
 
 TEST_PROBLEMS = {p["problem"] for p in tiny_dataset("test")}
 
@@ -61,6 +62,28 @@ def test_swapping_the_last_two_digits_always_changes_the_value():
     assert critic_pairs.swap_last_digits(1234) == 1243
     assert critic_pairs.swap_last_digits(1233) == 1233 + 9  # equal digits: still wrong, by another slip
     assert critic_pairs.swap_last_digits(7) == 16
+
+
+def test_shrink_and_perturb_mixes_the_weights_with_a_fresh_initialization():
+    # critic_probe.py --shrink 0.5 --perturb 0.1 (Ash & Adams 2020): w <- 0.5 w + 0.1 w0, w0 a fresh init of the config
+    import critic_probe
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(SHIPPED), dtype=torch.float32)
+    before = {n: w.clone() for n, w in model.named_parameters()}
+    torch.manual_seed(3)
+    critic_probe.shrink_perturb(model, 0.5, 0.0)
+    for n, w in model.named_parameters():
+        assert torch.equal(w, before[n] * 0.5), n
+    torch.manual_seed(3)
+    w0 = dict(AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).named_parameters())
+    torch.manual_seed(3)
+    critic_probe.shrink_perturb(model, 1.0, 0.1)  # the same seed: the same fresh initialization
+    for n, w in model.named_parameters():
+        assert torch.allclose(w, before[n] * 0.5 + 0.1 * w0[n], atol=1e-7), n
+    norm = model.model.norm.weight  # norm weights initialize at 1: 0.5 * w + 0.1
+    assert torch.allclose(norm, before["model.norm.weight"] * 0.5 + 0.1, atol=1e-7)
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)  # still tied
 
 
 def test_the_probes_dense_label_turns_on_at_the_first_wrong_digit_and_stays_on():
