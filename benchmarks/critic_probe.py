@@ -26,6 +26,9 @@ the attempt gone wrong by here", on the attempt's tokens or (`--ref-flags`) on t
 reference in the tiny critic prompt (a format change, for the probe only), and `--requote-lm` adds next-token loss
 on that quote. `--ref-first` is ac2.py's `--critic-reference-first` (the reference closes the problem's turn, before
 the attempt); `--short-steps N` draws 2-3-term problems only for the first N steps (compare_skill.py's curriculum).
+`--shrink/--perturb` start a phase from shrunk weights (Ash & Adams 2020); `--teacher DIR` trains solve batches on a
+model's next-token distribution instead of the traces' tokens (distillation); `--freeze N` trains only the layers
+from the N-th on (with `--grow`: only the new ones).
 
 Every `--eval-every` steps it prints, on held-out problems (the test split), how often the right prefix of a pair is
 valued higher than the wrong one when read greedily (a tie fails): off by +-1/+-10 on the last line, on an earlier
@@ -561,10 +564,27 @@ def evaluate(model, step, pair_sets, a, t0, probe=None):
     rep["soft_last"] = soft_pairs(model, pair_sets["last"])
     rep["soft_earlier"] = soft_pairs(model, pair_sets["earlier"])
     rep["no_ref"] = pair_report(model, pair_sets["last"], with_reference=False)["acc"]
-    if "s" in a.cycle or step == 0:
+    if "s" in a.cycle or step == 0 or a.freeze:  # frozen layers: does the policy survive the new ones?
         rep["policy_greedy"] = policy_greedy_acc(model, 64)
     print(json.dumps(rep), flush=True)
     model.train()
+
+
+def distill_loss(logits, teacher_logits, labels):
+    """Mean over the labelled tokens of the cross-entropy from the teacher's next-token distribution to the
+    student's (Hinton et al. 2015, at temperature 1): the forward KL plus the teacher's entropy, so its gradient is
+    the KL's. Shifted as the causal-LM loss is: position t predicts token t + 1, labels of -100 count nothing."""
+    keep = labels[:, 1:] >= 0
+    target = torch.softmax(teacher_logits[:, :-1], -1)
+    return -(target * torch.log_softmax(logits[:, :-1], -1)).sum(-1)[keep].mean()
+
+
+def freeze_below(model, n):
+    """Only decoder layers n, n + 1, ... keep learning: the embeddings (the output head is tied to them), the first n
+    layers and the final norm are frozen, so whatever they compute stays as it was (`--freeze`)."""
+    trained = tuple(f"model.layers.{i}." for i in range(n, len(model.model.layers)))
+    for name, w in model.named_parameters():
+        w.requires_grad_(name.startswith(trained))
 
 
 @torch.no_grad()
@@ -588,6 +608,10 @@ def main():
     ap.add_argument("--inter", type=int, default=384, help="with --init scratch")
     ap.add_argument("--heads", type=int, default=4, help="with --init scratch")
     ap.add_argument("--grow", type=int, default=0, help="append this many decoder layers (outputs zeroed)")
+    ap.add_argument("--freeze", type=int, default=0,
+                    help="train only the decoder layers from this one on: the embeddings (tied to the output head), "
+                         "the first N layers and the final norm keep their weights (what they compute cannot be "
+                         "erased; with --grow N, only the new layers learn)")
     ap.add_argument("--shrink", type=float, default=1.0,
                     help="shrink and perturb the --init weights first (Ash & Adams 2020): w <- shrink * w + perturb * "
                          "w0, w0 a fresh initialization of the same shape (attempts V and U, docs/ac2.md)")
@@ -628,6 +652,9 @@ def main():
                          "trace (a right attempt continues the reference, so this rewards copying it)")
     ap.add_argument("--split-opt", action="store_true",
                     help="two AdamW states over the same weights, one stepped on solve batches, one on the rest")
+    ap.add_argument("--teacher", default="",
+                    help="a model folder: solve batches train on its next-token distribution over the same traces "
+                         "(distillation: the cross-entropy with its softmax) instead of the traces' own tokens")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--late-from", type=int, default=-1, help="from this step on, the batches follow --late-*")
     ap.add_argument("--late-cycle", default="cs", help="the cycle from --late-from on")
@@ -675,10 +702,13 @@ def main():
         model = Qwen3ForCausalLM(cfg)
     else:
         model = AutoModelForCausalLM.from_pretrained(a.init, dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(a.teacher, dtype=torch.float32).eval() if a.teacher else None
     if a.shrink != 1.0 or a.perturb:
         shrink_perturb(model, a.shrink, a.perturb)
     if a.grow:
         grow(model, a.grow)
+    if a.freeze:
+        freeze_below(model, a.freeze)
     if a.frozen_probe:
         for where in ("digit", "line_end"):
             frozen_probe(model, where)
@@ -731,6 +761,10 @@ def main():
                 lm_labels[r, pos] = x[pos]
         model.train()
         out = model(input_ids=ids, labels=labels, output_hidden_states=bool(a.flag_weight or a.copy_weight))
+        if teacher is not None and kind == "s":  # --teacher: the solver's whole distribution, not one sampled token
+            with torch.no_grad():
+                teacher_logits = teacher(input_ids=ids).logits
+            out.loss = distill_loss(out.logits, teacher_logits, labels)
         loss = out.loss * (step >= a.value_from)  # --value-from: the dense label alone first
         if a.copy_lm and (lm_labels >= 0).any():  # --copy-lm counts from the first step
             lm_loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), lm_labels[:, 1:].flatten())

@@ -1,6 +1,7 @@
 """The critic diagnostic's pairs (benchmarks/critic_pairs.py): each wrong attempt differs from its right twin in exactly
 the slip its set names, on a held-out problem, with the later lines continuing from the wrong value."""
 
+import math
 import sys
 
 import pytest
@@ -84,6 +85,45 @@ def test_shrink_and_perturb_mixes_the_weights_with_a_fresh_initialization():
     norm = model.model.norm.weight  # norm weights initialize at 1: 0.5 * w + 0.1
     assert torch.allclose(norm, before["model.norm.weight"] * 0.5 + 0.1, atol=1e-7)
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)  # still tied
+
+
+def test_distillation_is_the_cross_entropy_from_the_teachers_next_token_distribution_on_labelled_tokens():
+    # critic_probe.py --teacher: solve batches learn the teacher's whole next-token distribution
+    import critic_probe
+
+    # one row, 3 positions, vocabulary of 2; position t predicts token t + 1, so only position 1 counts here
+    labels = torch.tensor([[-100, -100, 1]])
+    teacher = torch.tensor([[[0.0, 0.0], [0.0, math.log(3.0)], [5.0, -5.0]]])  # position 1: p = (1/4, 3/4)
+    student = torch.tensor([[[9.0, 0.0], [0.0, 0.0], [-9.0, 9.0]]])  # position 1: q = (1/2, 1/2)
+    assert critic_probe.distill_loss(student, teacher, labels).item() == pytest.approx(math.log(2.0))
+    student = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0], [0.0, 0.0]]])  # q = (3/4, 1/4)
+    want = -(0.25 * math.log(0.75) + 0.75 * math.log(0.25))
+    assert critic_probe.distill_loss(student, teacher, labels).item() == pytest.approx(want)
+    # a student equal to its teacher gets no gradient: the KL's minimum (the loss is then the teacher's entropy)
+    logits = torch.randn(2, 5, 7)
+    student = logits.clone().requires_grad_()
+    labels = torch.tensor([[-100, 3, 1, 4, -100], [-100, -100, 2, 2, 6]])
+    critic_probe.distill_loss(student, logits, labels).backward()
+    assert student.grad.abs().max().item() < 1e-6
+
+def test_freezing_keeps_the_embeddings_head_and_lower_layers_and_grown_layers_start_as_the_identity():
+    # critic_probe.py --grow 4 --freeze 4: four new layers, and only they learn
+    import critic_probe
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(SHIPPED), dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 40, 9, 33]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    critic_probe.grow(model, 4)
+    critic_probe.freeze_below(model, 4)
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, before, atol=1e-5)  # zeroed outputs: the same function
+    trained = {n for n, w in model.named_parameters() if w.requires_grad}
+    assert trained and all(n.startswith(("model.layers.4.", "model.layers.5.", "model.layers.6.", "model.layers.7."))
+                           for n in trained)
+    assert len(model.model.layers) == 8 and not model.model.embed_tokens.weight.requires_grad
+    assert not model.model.norm.weight.requires_grad and not model.lm_head.weight.requires_grad
 
 
 def test_the_probes_dense_label_turns_on_at_the_first_wrong_digit_and_stays_on():
