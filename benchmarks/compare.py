@@ -16,7 +16,9 @@ scripts write. AC2 keeps a checkpoint every 10 steps (benchmarks/ac2_advantage.p
 benchmarks/results/compare/: score_vs_flops.png, score_vs_steps.png, table.md and summary.json; finished runs
 are reused unless --fresh. `--model tiny-ac2` runs every method from the tiny AC2 setting's model instead (its critic
 was trained with the reference before the attempt, so AC2 and Prefix GRPO add --critic-reference-first) and writes
-under benchmarks/results/compare_tiny_ac2/; it has not learned CCR's packed prompts, so leave CCR out there.
+under benchmarks/results/compare_tiny_ac2/; it has not learned CCR's packed prompts, so leave CCR out there. A
+model folder trained the same way (as critic_probe.py's `--ref-first` attempts are) takes `--model <folder>
+--critic-reference-first --out <folder for the results>`.
 """
 
 import argparse
@@ -55,9 +57,19 @@ PAPERS = {  # the papers' own headline numbers, where a comparable quantity exis
 MODEL_FLAGS = {"tiny-ac2": {"ac2.py": ["--critic-reference-first"]}}  # the prompt order its critic was trained on
 
 
-def run(method: str, seed: int, steps: int, fresh: bool, model: str = "tiny") -> Path:
+def script_flags(method: str, model: str = "tiny", reference_first: bool = False) -> list[str]:
+    """A method's own flags, then the model's: with --critic-reference-first (for a model folder whose critic was
+    trained that way) AC2 and Prefix GRPO prompt the critic with the reference before the attempt."""
     script, extra, _, _ = METHODS[method]
-    extra = [*extra, "--model", model, *MODEL_FLAGS.get(model, {}).get(script, [])]
+    flags = [*extra, "--model", model, *MODEL_FLAGS.get(model, {}).get(script, [])]
+    if reference_first and script == "ac2.py" and "--critic-reference-first" not in flags:
+        flags.append("--critic-reference-first")
+    return flags
+
+
+def run(method: str, seed: int, steps: int, fresh: bool, model: str = "tiny", reference_first: bool = False) -> Path:
+    script = METHODS[method][0]
+    extra = script_flags(method, model, reference_first)
     suffix = "" if model == "tiny" else "_" + re.sub("[^a-z0-9]+", "_", model.lower()).strip("_")
     name = f"cmp_{re.sub('[^a-z0-9]+', '_', method.lower()).strip('_')}{suffix}_s{seed}_n{steps}"
     run_dir = ROOT / "runs" / name
@@ -96,6 +108,8 @@ def main():
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--fresh", action="store_true", help="re-run even if a finished run exists")
     ap.add_argument("--model", default="tiny", help="every run's --model: tiny, or tiny-ac2 (the tiny AC2 setting's)")
+    ap.add_argument("--critic-reference-first", action="store_true",
+                    help="AC2 and Prefix GRPO prompt the critic reference first (implied by --model tiny-ac2)")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/compare (compare_tiny_ac2 for tiny-ac2)")
     a = ap.parse_args()
     if a.out is None:
@@ -107,7 +121,8 @@ def main():
         sys.exit("compare.py draws its plots with matplotlib: pip install -e '.[plot]'")
     t_start = time.time()
     methods = list(dict.fromkeys(a.methods + [METHODS[m][3] for m in a.methods]))  # with their matched GRPO
-    done = {(m, s): run(m, s, a.steps, a.fresh, a.model) for s in a.seeds for m in methods}  # seed by seed
+    done = {(m, s): run(m, s, a.steps, a.fresh, a.model, a.critic_reference_first)  # seed by seed
+            for s in a.seeds for m in methods}
     dirs = {m: [done[(m, s)] for s in a.seeds] for m in methods}
     logs = {m: [read_scalars(d) for d in ds] for m, ds in dirs.items()}
     run_seconds = sum(float((d / ".done").read_text()) for ds in dirs.values() for d in ds)

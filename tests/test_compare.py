@@ -23,3 +23,13 @@ def test_a_method_whose_peak_is_its_start_has_no_flops_ratio():
     assert own == 0.0
     assert compare.flops_ratio(compare.flops_to_reach([0.045, 0.04], [0.0, 1e9], 0.045), own) is None
     assert compare.flops_ratio(None, 1e9) is None  # GRPO never got there
+
+
+def test_reference_first_reaches_the_critic_scripts_only_and_tiny_ac2_implies_it():
+    flag = "--critic-reference-first"
+    assert flag not in compare.script_flags("AC2", "checkpoints/z2")
+    assert compare.script_flags("AC2", "checkpoints/z2", True)[-3:] == ["--model", "checkpoints/z2", flag]
+    assert compare.script_flags("Prefix GRPO", "checkpoints/z2", True).count(flag) == 1
+    assert flag not in compare.script_flags("GRPO on 128", "checkpoints/z2", True)  # grpo.py has no critic
+    assert compare.script_flags("AC2", "tiny-ac2").count(flag) == 1
+    assert compare.script_flags("AC2", "tiny-ac2", True).count(flag) == 1  # not twice
