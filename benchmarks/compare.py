@@ -67,11 +67,19 @@ def script_flags(method: str, model: str = "tiny", reference_first: bool = False
     return flags
 
 
+def run_name(method: str, seed: int, steps: int, model: str = "tiny", reference_first: bool = False) -> str:
+    """The run's folder under runs/: a finished run is reused only by the same method, model, flags, seed and steps
+    (`_ref` where --critic-reference-first changed the script's flags)."""
+    suffix = "" if model == "tiny" else "_" + re.sub("[^a-z0-9]+", "_", model.lower()).strip("_")
+    if script_flags(method, model, reference_first) != script_flags(method, model):
+        suffix += "_ref"
+    return f"cmp_{re.sub('[^a-z0-9]+', '_', method.lower()).strip('_')}{suffix}_s{seed}_n{steps}"
+
+
 def run(method: str, seed: int, steps: int, fresh: bool, model: str = "tiny", reference_first: bool = False) -> Path:
     script = METHODS[method][0]
     extra = script_flags(method, model, reference_first)
-    suffix = "" if model == "tiny" else "_" + re.sub("[^a-z0-9]+", "_", model.lower()).strip("_")
-    name = f"cmp_{re.sub('[^a-z0-9]+', '_', method.lower()).strip('_')}{suffix}_s{seed}_n{steps}"
+    name = run_name(method, seed, steps, model, reference_first)
     run_dir = ROOT / "runs" / name
     if run_dir.exists() and not fresh and (ROOT / "runs" / name / ".done").exists():
         return run_dir
@@ -107,7 +115,8 @@ def main():
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--fresh", action="store_true", help="re-run even if a finished run exists")
-    ap.add_argument("--model", default="tiny", help="every run's --model: tiny, or tiny-ac2 (the tiny AC2 setting's)")
+    ap.add_argument("--model", default="tiny",
+                    help="every run's --model: tiny, tiny-ac2 (the tiny AC2 setting's) or a model folder")
     ap.add_argument("--critic-reference-first", action="store_true",
                     help="AC2 and Prefix GRPO prompt the critic reference first (implied by --model tiny-ac2)")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/compare (compare_tiny_ac2 for tiny-ac2)")

@@ -33,3 +33,12 @@ def test_reference_first_reaches_the_critic_scripts_only_and_tiny_ac2_implies_it
     assert flag not in compare.script_flags("GRPO on 128", "checkpoints/z2", True)  # grpo.py has no critic
     assert compare.script_flags("AC2", "tiny-ac2").count(flag) == 1
     assert compare.script_flags("AC2", "tiny-ac2", True).count(flag) == 1  # not twice
+
+
+def test_a_run_with_the_critic_reference_first_is_not_reused_for_one_without():
+    assert compare.run_name("AC2", 1, 100, "checkpoints/z2") == "cmp_ac2_checkpoints_z2_s1_n100"
+    assert compare.run_name("AC2", 1, 100, "checkpoints/z2", True) == "cmp_ac2_checkpoints_z2_ref_s1_n100"
+    # GRPO's flags do not change, so its run is shared; tiny-ac2 implies the order, so its names stay as they were
+    assert compare.run_name("GRPO on 128", 1, 100, "checkpoints/z2", True) == "cmp_grpo_on_128_checkpoints_z2_s1_n100"
+    assert compare.run_name("AC2", 2, 100, "tiny-ac2", True) == "cmp_ac2_tiny_ac2_s2_n100"
+    assert compare.run_name("Prefix GRPO", 1, 100) == "cmp_prefix_grpo_s1_n100"
