@@ -10,6 +10,8 @@
         --short-steps 600 --schedule constant --steps 1200 --eval-every 300            # attempt J: reference first
     python benchmarks/critic_probe.py --init scratch --ref-first --cycle c --pair-frac 1.0 --ref-prob 1.0 \
         --flag-weight 1.0 --short-steps 600 --value-from 600 --schedule constant --steps 1500 --eval-every 300  # J3
+    python benchmarks/critic_probe.py --init common/tiny_ac2_model --lsd --ref-first --pair-frac 1.0 --ref-prob 1.0 \
+        --flag-weight 1.0 --cycle s --lr 3e-3 --schedule cosine --steps 1200 --save --out checkpoints/l1  # L1
     python benchmarks/critic_probe.py --baselines --pair-frac 1.0 --ref-prob 0.5  # what no skill scores (E's mix)
     python benchmarks/critic_probe.py --frozen-probe --steps 0   # which layer holds "this sum is wrong" (none)
     (every attempt's command, A-P, and what it reached: docs/ac2.md, "Can the tiny critic learn to judge?")
@@ -26,6 +28,7 @@ the attempt gone wrong by here", on the attempt's tokens or (`--ref-flags`) on t
 reference in the tiny critic prompt (a format change, for the probe only), and `--requote-lm` adds next-token loss
 on that quote. `--ref-first` is ac2.py's `--critic-reference-first` (the reference closes the problem's turn, before
 the attempt); `--short-steps N` draws 2-3-term problems only for the first N steps (compare_skill.py's curriculum).
+`--lsd` writes every running sum's digits least-significant first (a format change, for the probe only).
 `--shrink/--perturb` start a phase from shrunk weights (Ash & Adams 2020); `--teacher DIR` trains solve batches on a
 model's next-token distribution instead of the traces' tokens (distillation); `--freeze N` trains only the layers
 from the N-th on (with `--grow`: only the new ones).
@@ -45,6 +48,7 @@ import copy
 import json
 import math
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -52,7 +56,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from critic_pairs import running_lines
+from critic_pairs import running_lines as msd_lines
 
 import ac2
 from common.tiny import (
@@ -64,8 +68,8 @@ from common.tiny import (
     tiny_packed_solution,
     tiny_problem,
     tiny_reward,
-    tiny_solution,
 )
+from common.tiny import tiny_solution as msd_solution
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id
@@ -79,7 +83,28 @@ def chat(user):
 
 
 REQUOTE = "\nAttempt:\n"
-FORMAT = {"requote": False, "ref_first": False}
+FORMAT = {"requote": False, "ref_first": False, "lsd": False}
+SUM_LINE = re.compile(r"^(\d+)\+(\d+)=(\d+)$", re.M)
+
+
+def lsd(text):
+    """`--lsd`: every running-sum line's numbers written least-significant digit first ("47+35=82" becomes
+    "74+53=28"), so that a sum's digits come in the order its carries are computed (Lee et al. 2023, "Teaching
+    arithmetic to small transformers": reversed digits make addition learnable where the plain order is not); the
+    problem and the boxed answer stay as they are, so the verifier is unchanged. Off without the flag."""
+    if not FORMAT["lsd"]:
+        return text
+    return SUM_LINE.sub(lambda m: "{}+{}={}".format(*(g[::-1] for g in m.groups())), text)
+
+
+def tiny_solution(nums, rng=None, error_rate=0.0, check=False):
+    """common.tiny's trace, in `--lsd`'s digit order when it is on."""
+    return lsd(msd_solution(nums, rng, error_rate, check))
+
+
+def running_lines(nums, wrong_line=None, slip=None):
+    """critic_pairs' running-sum lines (line `wrong_line` off by `slip`), in `--lsd`'s digit order when it is on."""
+    return [lsd(line) for line in msd_lines(nums, wrong_line, slip)]
 
 
 def critic_ids(problem, attempt_text, reference_text):
@@ -676,6 +701,9 @@ def main():
     ap.add_argument("--frozen-probe", action="store_true",
                     help="fit a linear probe on each layer of the frozen model for 'this sum is wrong', before "
                          "training and after it (--steps 0: before only)")
+    ap.add_argument("--lsd", action="store_true",
+                    help="traces write each running sum's digits least-significant first (a format change, for the "
+                         "probe only; the boxed answer stays as it is)")
     ap.add_argument("--wait", action="store_true",
                     help="solve traces notice every slip: a 'wait: ' line with the right sum follows it")
     ap.add_argument("--mc-pairs", type=int, default=0,
@@ -685,7 +713,9 @@ def main():
     a = ap.parse_args()
     if a.ref_first and (a.requote or a.ref_flags):
         ap.error("--ref-first puts the reference before the attempt: --requote and --ref-flags assume it after")
-    FORMAT["requote"], FORMAT["ref_first"] = a.requote, a.ref_first
+    if a.lsd and (a.wait or "p" in a.cycle or a.teacher):
+        ap.error("--lsd rewrites solve and critic traces only: not --wait's, packed ones, or a --teacher's")
+    FORMAT["requote"], FORMAT["ref_first"], FORMAT["lsd"] = a.requote, a.ref_first, a.lsd
     a.step = 0
     if a.baselines:
         return baselines(a)

@@ -28,24 +28,26 @@ from common import engine
 from common.tiny import SHIPPED, build_tokenizer, resolve_model, tiny_dataset, tiny_model_path, tiny_reward
 
 
-def first_pass_sums(response: str) -> list[tuple[int, int, int]]:
-    """A tiny response's first-pass running sums: the lines `a+b=c` before `check:` or `</think>`."""
+def first_pass_sums(response: str, lsd: bool = False) -> list[tuple[int, int, int]]:
+    """A tiny response's first-pass running sums: the lines `a+b=c` before `check:` or `</think>` (with `lsd`, each
+    number written least-significant digit first, as critic_probe.py --lsd trains)."""
     first_pass = response.split("</think>")[0].split("check:")[0]
-    return [tuple(map(int, m)) for m in re.findall(r"^(\d+)\+(\d+)=(\d+)$", first_pass, re.M)]
+    return [tuple(int(g[::-1] if lsd else g) for g in m)
+            for m in re.findall(r"^(\d+)\+(\d+)=(\d+)$", first_pass, re.M)]
 
 
-def additions_right(response: str) -> tuple[int, int]:
+def additions_right(response: str, lsd: bool = False) -> tuple[int, int]:
     """Of a response's first-pass running sums, how many add up, each judged on its own operands (a wrong sum carried
     forward does not make the next line wrong): whether a policy that misses the answer misses the arithmetic or
     something else."""
-    sums = first_pass_sums(response)
+    sums = first_pass_sums(response, lsd)
     return sum(a + b == c for a, b, c in sums), len(sums)
 
 
-def first_wrong_sum(response: str) -> str:
+def first_wrong_sum(response: str, lsd: bool = False) -> str:
     """How a response's first-pass running sums first go wrong: "adds up", "off by 1", "off by 10" (the warm start's
     slips, either sign), "off otherwise", or "no sums"."""
-    sums = first_pass_sums(response)
+    sums = first_pass_sums(response, lsd)
     wrong = next((c - a - b for a, b, c in sums if a + b != c), None)
     if not sums:
         return "no sums"
@@ -57,14 +59,17 @@ def main():
     ap.add_argument("--samples", type=int, default=8, help="samples per held-out problem")
     ap.add_argument("--rebuild", action="store_true", help="rebuild from the recipe and compare with the shipped")
     ap.add_argument("--model", default="tiny", help="tiny, tiny-ac2 or a build's folder (benchmarks/build_tiny_ac2.py)")
+    ap.add_argument("--lsd", action="store_true",
+                    help="the model writes each running sum least-significant digit first (critic_probe.py --lsd)")
     args = ap.parse_args()
     t0 = time.time()
     if args.model == "tiny-ac2" and args.rebuild:
         ap.error("tiny-ac2 is rebuilt by benchmarks/build_tiny_ac2.py (~2 hours)")
     path = tiny_model_path(rebuild=args.rebuild) if args.model == "tiny" else resolve_model(args.model)
-    build = json.loads((Path(path) / "tiny_build.json").read_text())
+    record = Path(path) / "tiny_build.json"  # a critic_probe.py --save folder has none: its log is its record
+    build = json.loads(record.read_text()) if record.exists() else {"build_seconds": None, "recipe": None}
     losses = f"SFT loss {build['sft_loss_first']} -> {build['sft_loss_last']}" if "sft_loss_last" in build else \
-        "its phases' logs in build_logs/"
+        "its phases' logs in build_logs/" if record.exists() else "no build record"
     print(f"{args.model} model at {path} (ready in {time.time() - t0:.1f}s; its build took {build['build_seconds']}s, "
           f"{losses})")
     from vllm import SamplingParams
@@ -100,8 +105,9 @@ def main():
             for c in g:
                 text = tok.decode(c.token_ids, skip_special_tokens=True)
                 by_difficulty.setdefault(p["difficulty"], []).append(tiny_reward(text, p["answer"]))
-                sums = [x + y for x, y in zip(sums, additions_right(text))]
-                kinds[first_wrong_sum(text)] = kinds.get(first_wrong_sum(text), 0) + 1
+                sums = [x + y for x, y in zip(sums, additions_right(text, args.lsd))]
+                kind = first_wrong_sum(text, args.lsd)
+                kinds[kind] = kinds.get(kind, 0) + 1
         acc = sum(sum(v) for v in by_difficulty.values()) / sum(len(v) for v in by_difficulty.values())
         result["accuracy"][name] = {"all": round(acc, 3), **{
             f"{k}_terms": round(sum(v) / len(v), 3) for k, v in sorted(by_difficulty.items())},

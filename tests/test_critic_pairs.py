@@ -249,3 +249,20 @@ def test_the_tiny_ac2_critic_ranks_the_right_prefix_higher_and_its_policy_adds(e
         assert solved >= 20, solved  # measured: 26 (0.828 of 256: tiny_model_tiny_ac2.json)
     finally:
         engine.sync_weights(llm, tiny)  # the other engine tests expect the shipped tiny model
+
+
+def test_lsd_writes_every_running_sums_digits_least_significant_first_and_keeps_the_answer():
+    # critic_probe.py --lsd: 47+35=82, 82+20=102 becomes 74+53=28, 28+02=201; the boxed answer and a slip's value stay
+    import critic_probe
+
+    try:
+        critic_probe.FORMAT["lsd"] = True
+        assert critic_probe.tiny_solution([47, 35, 20], check=True) == (
+            "74+53=28\n28+02=201\ncheck:\n74+53=28\n28+02=201\n</think>\n\n\\boxed{102}")
+        # a slip of +10 on the first line (92), and the next line continues from it (112)
+        assert critic_probe.running_lines([47, 35, 20], 0, lambda v: v + 10) == ["74+53=29", "29+02=211"]
+        assert critic_probe.value_of("74+53=28\n", [47, 35, 20], 0.2) == 8  # one line left: 0.8
+        assert critic_probe.value_of("74+53=29\n", [47, 35, 20], 0.2) == 0  # has left every correct trace
+    finally:
+        critic_probe.FORMAT["lsd"] = False
+    assert critic_probe.tiny_solution([47, 35, 20]) == "47+35=82\n82+20=102\n</think>\n\n\\boxed{102}"

@@ -151,3 +151,7 @@ def test_the_first_wrong_sum_is_classified_by_its_offset_from_its_own_operands()
     assert first_wrong_sum("<think>\n24+10=43\n43+21=64\n</think>") == "off otherwise"  # digits swapped: +9
     assert first_wrong_sum("<think>\n24+10=34\n34+21=55\ncheck:\n24+10=35\n</think>") == "adds up"  # the check
     assert first_wrong_sum("I think it is 55\n</think>\n\n\\boxed{55}") == "no sums"
+    # least-significant digit first (critic_probe.py --lsd): 24+10=44 is written 42+01=44, 34+21=54 is 43+12=45
+    assert first_wrong_sum("<think>\n42+01=44\n44+12=56\n</think>", lsd=True) == "off by 10"
+    assert first_wrong_sum("<think>\n42+01=43\n43+12=45\n</think>", lsd=True) == "off by 1"
+    assert first_wrong_sum("<think>\n42+01=43\n43+12=55\n</think>", lsd=True) == "adds up"
