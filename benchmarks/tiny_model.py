@@ -4,6 +4,7 @@
     python benchmarks/tiny_model.py --rebuild          # rebuild it from its recipe (~20 min on 2 cores) and compare
     python benchmarks/tiny_model.py --model tiny-ac2   # the tiny AC2 setting's model (common/tiny_ac2_model/)
     python benchmarks/tiny_model.py --model checkpoints/tiny_ac2_build    # a build of it (build_tiny_ac2.py --out)
+    python benchmarks/tiny_model.py --model checkpoints/l2 --lsd          # a critic_probe.py --lsd --save folder
 
 Reports the build's wall time and final SFT loss, then held-out accuracy sampling at T = 1 (what the tiny
 configurations train and evaluate with), at the paper's evaluation settings (T 0.8 / top-p 0.95 / top-k 20) and
