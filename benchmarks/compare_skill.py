@@ -6,7 +6,11 @@
     python benchmarks/compare_skill.py --order ref-first --clutter --steps 1200 --short-steps 600  # + a decoy copy
     python benchmarks/compare_skill.py --order ref-first --probe-layer 3 --steps 1200 --short-steps 600  # 3 layers
     python benchmarks/compare_skill.py --order critic --probe-layer 3 --steps 1200 --short-steps 600  # AC2's prompt
-    (what each reached: docs/ac2.md, "Can the tiny critic learn to judge?", attempt I)
+    python benchmarks/compare_skill.py --order attempt-first --steps 1800 --short-steps 600 --hidden 256 --heads 8 \
+        --inter 768                                                # AC2's order, 4x the parameters
+    python benchmarks/compare_skill.py --order ref-first --steps 2400 --short-steps 600 --switch-step 1200 \
+        --switch-order attempt-first                               # AC2's order after the skill in the other one
+    (what each reached: docs/ac2.md, "Can the tiny critic learn to judge?", attempts I and I2)
 
 No chat, no problem, no value, no arithmetic: a fresh model of the tiny model's shape (common/tiny.py's recipe:
 4 layers, 128 wide, head_dim 32; `--hidden`, `--heads`, `--layers` change it) reads a reference trace and an attempt
@@ -19,6 +23,8 @@ more before the reference, as `critic_probe.py --requote` has it (the copy a loo
 `--order critic` wraps them in the whole of AC2's tiny critic prompt with `--critic-reference-first` (chat, the
 problem and the reference in its turn, the attempt, the instruction), labels as ref-first's.
 `--short-steps N`: for the first N steps problems have 2-3 terms only (1-2 lines to compare), then 2-6 again.
+`--switch-step N --switch-order O`: from step N on, train in order O (the same model and probe), to ask whether the
+skill learned in one order carries over to the other; the held-out pairs are then read in both orders.
 
 Every `--eval-every` steps: the probe's loss and accuracy on the batch (fresh problems each step) beside the
 share of 1-labels, and, on 100 held-out pairs a set (test-split problems with 3+ terms), how often the wrong attempt
@@ -122,10 +128,10 @@ def run_model(model, probe, batch, layer=-1):
 
 
 @torch.no_grad()
-def pairs_right(model, probe, pairs, a):
+def pairs_right(model, probe, pairs, a, order):
     """Pairs whose wrong attempt gets the higher 'departed' logit at its last labelled token (a tie fails)."""
     model.eval()
-    batch = [example(att, ref, a.order, a.clutter, nums) for right, wrong, ref, nums in pairs
+    batch = [example(att, ref, order, a.clutter, nums) for right, wrong, ref, nums in pairs
              for att in (right, wrong)]
     logits, _, rows = run_model(model, probe, batch, a.probe_layer)
     last = {}
@@ -151,14 +157,20 @@ def main():
                     help="the probed hidden state: -1 the last layer's (normed) output, 3 the third layer's, 0 the "
                          "embeddings (AC2's critic must read the verdict from a layer below its last)")
     ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--switch-step", type=int, default=0, help="from this step on, train in --switch-order")
+    ap.add_argument("--switch-order", choices=["attempt-first", "ref-first", "critic"], default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     if a.clutter and a.order != "ref-first":
         ap.error("--clutter goes with --order ref-first")
+    if (a.switch_order is None) != (a.switch_step == 0):
+        ap.error("--switch-step and --switch-order go together")
+    orders = [a.order] + ([a.switch_order] if a.switch_order else [])
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(a.seed)
-    torch.set_num_threads(2)
+    torch.set_num_threads(a.threads)
     cfg = Qwen3Config(vocab_size=128, hidden_size=a.hidden, intermediate_size=a.inter, num_hidden_layers=a.layers,
                       num_attention_heads=a.heads, num_key_value_heads=max(1, a.heads // 2), head_dim=RECIPE.head_dim,
                       max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=None,
@@ -171,7 +183,8 @@ def main():
     t0, window = time.time(), []
     for step in range(a.steps):
         max_terms = 3 if step < a.short_steps else 6
-        logits, ys, _ = run_model(model, probe, [train_example(rng, max_terms, a.order, a.clutter)
+        order = a.switch_order if a.switch_order and step >= a.switch_step else a.order
+        logits, ys, _ = run_model(model, probe, [train_example(rng, max_terms, order, a.clutter)
                                                  for _ in range(a.batch)], a.probe_layer)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, ys)
         opt.zero_grad(set_to_none=True)
@@ -182,8 +195,9 @@ def main():
         if (step + 1) % a.eval_every == 0:
             n = len(window)
             loss_, acc, base = (sum(w[i] for w in window) / n for i in range(3))
-            held = " ".join(f"{k} {pairs_right(model, probe, v, a)}/100" for k, v in sets.items())
-            print(f"step {step + 1} terms 2-{max_terms} loss {loss_:.4f} acc {acc:.3f} (1-labels {base:.3f}) "
+            held = " ".join(f"{k} {pairs_right(model, probe, v, a, o)}/100" + (f" ({o})" if len(orders) > 1 else "")
+                            for o in orders for k, v in sets.items())
+            print(f"step {step + 1} {order} terms 2-{max_terms} loss {loss_:.4f} acc {acc:.3f} (1-labels {base:.3f}) "
                   f"held-out pairs right: {held} {time.time() - t0:.0f}s", flush=True)
             window = []
 

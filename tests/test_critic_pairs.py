@@ -266,3 +266,20 @@ def test_lsd_writes_every_running_sums_digits_least_significant_first_and_keeps_
     finally:
         critic_probe.FORMAT["lsd"] = False
     assert critic_probe.tiny_solution([47, 35, 20]) == "47+35=82\n82+20=102\n</think>\n\n\\boxed{102}"
+
+
+def test_compare_skill_switches_the_training_order_and_reads_the_pairs_in_both():
+    # benchmarks/compare_skill.py --switch-step: attempt I2 trains the reference-first order, then AC2's, in one model
+    import subprocess
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare_skill.py"), "--order", "ref-first", "--steps", "4",
+           "--eval-every", "2", "--switch-step", "2", "--switch-order", "attempt-first", "--batch", "2",
+           "--hidden", "32", "--heads", "1", "--layers", "1", "--inter", "64", "--threads", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()
+    steps = [line.split() for line in out if line.startswith("step ")]
+    assert [s[:3] for s in steps] == [["step", "2", "ref-first"], ["step", "4", "attempt-first"]]
+    for s in steps:  # last / earlier, read in the first order, then in the second
+        assert [s[i + 2] for i, w in enumerate(s) if w in ("last", "earlier")] == [
+            "(ref-first)", "(ref-first)", "(attempt-first)", "(attempt-first)"]
+    bad = subprocess.run(cmd[:2] + ["--switch-step", "2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--switch-step and --switch-order go together" in bad.stderr
