@@ -209,8 +209,8 @@ class Args:
     """replace the paper's critic instruction by a few words (for the tiny model, whose contexts are characters)"""
     critic_reference_first: bool = False
     """write the reference into the problem's turn, before the attempt, instead of after the attempt in the critic's
-    instruction (project choice; the paper appends it: a tiny model learns the comparison only in this order,
-    docs/ac2.md)"""
+    instruction (project choice; the paper appends it: a tiny model learns the comparison about twice as fast in this
+    order, docs/ac2.md)"""
     probe_without_reference: bool = True
     """also probe every referenced prefix without its reference, to log critic MAE with vs without (diagnostic)"""
 
