@@ -57,10 +57,20 @@ def command(script: str, args, ranks: int = 1, torchrun: bool | None = None) -> 
 
 def run_script(script: str, *args: str, cwd: Path, timeout: int = 900, ranks: int = 1) -> subprocess.CompletedProcess:
     """Run one of the trainers as a user would, in `cwd` (its runs/ and checkpoints/ land there); with `ranks`
-    > 1 under torchrun, one thread per rank (2 cores here)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **({"OMP_NUM_THREADS": "1"} if ranks > 1 else {}))
-    proc = subprocess.run(command(script, args, ranks), cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    > 1 under torchrun, one thread per rank (2 cores here). A run still going after `timeout` seconds fails the test
+    with every process's Python stacks at that moment (`stop_with_stacks`), so that a hang says where it hung."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1",
+               **({"OMP_NUM_THREADS": "1"} if ranks > 1 else {}))
+    cmd = command(script, args, ranks)
+    popen = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        stdout, stderr = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stdout, stacks = stop_with_stacks(popen)
+        raise AssertionError(f"{script} {' '.join(args)} still running after {timeout} s; its last output:\n"
+                             f"{stdout[-2000:]}\nwhere each process was:\n{stacks[-12000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     if proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")
@@ -74,6 +84,38 @@ def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def stop_with_stacks(popen: subprocess.Popen) -> tuple[str, str]:
+    """Stop a run started in its own session (`run_script`) and return (stdout, every process's Python stacks): under
+    torchrun the launcher is frozen first (else it would stop the other ranks as soon as one dies), then each rank in
+    turn gets SIGABRT, on which Python's faulthandler (PYTHONFAULTHANDLER) writes its threads' stacks to stderr;
+    then SIGKILL to whatever is left."""
+    import signal
+    import time
+
+    import psutil
+
+    root = psutil.Process(popen.pid)
+    if "torch.distributed.run" in popen.args:
+        root.suspend()
+        dump = root.children()
+    else:
+        dump = [root]
+    for p in dump:
+        try:
+            p.send_signal(signal.SIGABRT)
+            time.sleep(1)  # its dump before the next one's, not interleaved
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    stdout, stderr = popen.communicate()
+    first = stderr.find("Fatal Python error")
+    stacks = stderr[first:] if first >= 0 else stderr
+    return stdout, "\n".join(line for line in stacks.splitlines() if not line.startswith("Extension modules"))
 
 
 def run_killed_after(script: str, args: list[str], marker: Path, cwd: Path, timeout: int = 900, ranks: int = 1) -> None:

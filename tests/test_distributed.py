@@ -152,6 +152,16 @@ def test_a_rank_waits_as_long_as_the_collective_timeout_says(tmp_path):
     assert patient.returncode == 0 and patient.stdout.count("gathered [10, 20, 30, 40]") == 2, patient.stderr[-2000:]
 
 
+def test_a_hung_run_fails_its_test_with_every_ranks_stack(tmp_path):
+    """run_script's timeout (conftest.py): rank 1 still sleeping in its share of a shared_map, rank 0 waiting at the
+    gather -- the failure names both places, so that a hang in CI says where it hung."""
+    with pytest.raises(AssertionError) as failed:
+        run_script("tests/timeout_worker.py", "600", "300", cwd=tmp_path, timeout=20, ranks=2)
+    message = str(failed.value)
+    assert "still running after 20 s" in message
+    assert "in slow_on_rank_1" in message and "in shared_map" in message, message[-3000:]
+
+
 def test_the_engines_old_logprobs_on_two_ranks_equal_one_rank(tmp_path):
     """--old-logprobs engine under torchrun (--rollout-correction: test_grpo_on_two_ranks_equals_one_rank): the run is
     the one-process run."""
