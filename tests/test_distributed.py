@@ -149,7 +149,9 @@ def test_a_rank_waits_as_long_as_the_collective_timeout_says(tmp_path):
     late = launch(2)
     assert late.returncode != 0 and "gathered" not in late.stdout
     patient = launch(60)
-    assert patient.returncode == 0 and patient.stdout.count("gathered [10, 20, 30, 40]") == 2, patient.stderr[-2000:]
+    # on failure, enough of stderr to hold the failing rank's own error, not only torchrun's summary
+    assert patient.returncode == 0 and patient.stdout.count("gathered [10, 20, 30, 40]") == 2, \
+        "\n".join(line for line in patient.stderr.splitlines() if "Warning" not in line)[-8000:]
 
 
 def test_a_hung_run_fails_its_test_with_every_ranks_stack(tmp_path):
