@@ -5,6 +5,7 @@ import json
 import math
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,8 +33,15 @@ def run_worker(ranks: int, out, timeout: int = 900, torchrun: bool | None = None
     return json.loads((out / "result.json").read_text())
 
 
-def test_two_ranks_sample_what_one_samples_and_every_engine_follows_the_sharded_trainer(tmp_path):
-    one, two = run_worker(1, tmp_path / "one"), run_worker(2, tmp_path / "two")
+@pytest.fixture(scope="module")
+def plain_worker(tmp_path_factory) -> tuple[dict, Path]:
+    """dist_worker.py in one plain process: the reference both tests below compare against, run once."""
+    out = tmp_path_factory.mktemp("dist") / "plain"
+    return run_worker(1, out), out
+
+
+def test_two_ranks_sample_what_one_samples_and_every_engine_follows_the_sharded_trainer(plain_worker, tmp_path):
+    (one, one_dir), two = plain_worker, run_worker(2, tmp_path / "two")
     assert two["world"] == 2 and len(two["gap_per_rank"]) == 2
     assert two["weights_read_by"] == [[0], []] and one["weights_read_by"] == [[0]]  # one full copy per node
     # request i was sampled by rank i % 2, seeded by its global index: the same text as in one process
@@ -46,20 +54,20 @@ def test_two_ranks_sample_what_one_samples_and_every_engine_follows_the_sharded_
     # ... which the step really changed (before the sync the engines were stale)
     assert two["stale_gap"] > 100 * LOGPROB_GAP
     # the step itself: gradients summed over ranks equal the one-process gradient
-    w1, w2 = torch.load(tmp_path / "one/weights.pt"), torch.load(tmp_path / "two/weights.pt")
+    w1, w2 = torch.load(one_dir / "weights.pt"), torch.load(tmp_path / "two/weights.pt")
     assert w1.keys() == w2.keys()
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
 
 
 # micro-batches of at most 300 padded tokens: the ranks end up with different numbers of them (measured: three
 # idle passes with gradients and three without on rank 0), so the padding with idle passes is exercised too
-def test_one_rank_under_torchrun_shards_and_computes_what_a_plain_process_does(tmp_path):
+def test_one_rank_under_torchrun_shards_and_computes_what_a_plain_process_does(plain_worker, tmp_path):
     # the path every GPU run takes, a single GPU included: a process group, FSDP2 over one rank, vLLM's external
     # launcher (on GPU it also computes in bf16, which a CPU cannot check)
-    plain, sharded = run_worker(1, tmp_path / "plain"), run_worker(1, tmp_path / "one", torchrun=True)
+    (plain, plain_dir), sharded = plain_worker, run_worker(1, tmp_path / "one", torchrun=True)
     assert sharded["completions"] == plain["completions"]
     assert max(sharded["gap_per_rank"]) < LOGPROB_GAP and sharded["stale_gap"] > 100 * LOGPROB_GAP
-    w1, w2 = torch.load(tmp_path / "plain/weights.pt"), torch.load(tmp_path / "one/weights.pt")
+    w1, w2 = torch.load(plain_dir / "weights.pt"), torch.load(tmp_path / "one/weights.pt")
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
 
 
